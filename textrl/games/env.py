@@ -1,0 +1,143 @@
+"""One TextWorld game behind ``reset()`` / ``step(command)``.
+
+Reward per step = score change + ``win_bonus`` on the winning step − ``step_penalty``.
+An episode ends when the game is won or lost (``terminated``) or after ``max_steps`` commands
+(``truncated``). A command that is not admissible is refused before it reaches the game.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import textworld
+
+REQUEST_INFOS = textworld.EnvInfos(
+    objective=True, description=True, inventory=True, admissible_commands=True,
+    score=True, max_score=True, won=True, lost=True, extras=["walkthrough"],
+)
+
+
+class InvalidCommandError(ValueError):
+    """A command that is not in the current admissible set."""
+
+
+class GameFileError(ValueError):
+    """A game file that is missing or that TextWorld cannot load."""
+
+
+@dataclass
+class Observation:
+    objective: str
+    description: str
+    inventory: str
+    feedback: str  # what the game answered to the last command ("" after reset)
+    admissible_commands: list[str]
+    score: int
+    max_score: int
+    won: bool
+    lost: bool
+
+
+@dataclass
+class Turn:
+    """One past step: what the agent saw, and what it did."""
+
+    observation: Observation
+    command: str
+
+
+@dataclass
+class StepResult:
+    observation: Observation
+    reward: float
+    terminated: bool  # won or lost: no value to bootstrap
+    truncated: bool  # step limit reached
+    info: dict = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+
+_BANNER_LINE = re.compile(r"^\s*>.*$|^\s*-= .* =-\s*\d+/\d+\s*$", re.MULTILINE)
+
+
+def clean_feedback(text: str) -> str:
+    """Drop the command prompt / status-bar lines and the end-of-game menu; squeeze blank lines."""
+    text = text.split("*** The End ***")[0]
+    text = text.split("Would you like to RESTART")[0]
+    text = _BANNER_LINE.sub("", text)
+    return re.sub(r"\n\s*\n+", "\n", text).strip()
+
+
+class TextGame:
+    """A TextWorld game with the textrl reward, step limit and a bounded history of turns."""
+
+    def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
+                 win_bonus: float = 1.0, history_len: int = 8):
+        game_file = Path(game_file)
+        if not game_file.is_file():
+            raise GameFileError(f"game file {game_file} does not exist; generate games with textrl.games.pool.GamePool")
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        self.game_file = game_file
+        self.max_steps = max_steps
+        self.step_penalty = step_penalty
+        self.win_bonus = win_bonus
+        self.history: deque[Turn] = deque(maxlen=history_len)
+        try:
+            self._env = textworld.start(str(game_file), request_infos=REQUEST_INFOS)
+        except Exception as exc:
+            raise GameFileError(f"TextWorld cannot load {game_file}: {exc}. Delete it so the pool regenerates it.") from exc
+        self.observation: Observation | None = None
+        self.steps = 0
+        self.walkthrough: list[str] = []
+
+    def _observe(self, state, feedback: str) -> Observation:
+        return Observation(
+            objective=state["objective"].strip(),
+            description=state["description"].strip(),
+            inventory=state["inventory"].strip(),
+            feedback=feedback,
+            admissible_commands=sorted(state["admissible_commands"]),
+            score=int(state["score"]),
+            max_score=int(state["max_score"]),
+            won=bool(state["won"]),
+            lost=bool(state["lost"]),
+        )
+
+    def reset(self) -> Observation:
+        try:
+            state = self._env.reset()
+        except Exception as exc:
+            raise GameFileError(f"TextWorld cannot start {self.game_file}: {exc}. Delete it so the pool regenerates it.") from exc
+        self.walkthrough = list(state.get("extra.walkthrough") or [])
+        self.history.clear()
+        self.steps = 0
+        self.observation = self._observe(state, feedback="")
+        return self.observation
+
+    def step(self, command: str) -> StepResult:
+        obs = self.observation
+        if obs is None:
+            raise RuntimeError("call reset() before step()")
+        if obs.won or obs.lost or self.steps >= self.max_steps:
+            raise RuntimeError("the episode is over; call reset() to start again")
+        if command not in obs.admissible_commands:
+            raise InvalidCommandError(
+                f"{command!r} is not admissible here; admissible commands: {obs.admissible_commands}")
+        state, _, _ = self._env.step(command)
+        self.steps += 1
+        self.history.append(Turn(obs, command))
+        new = self._observe(state, clean_feedback(state.feedback))
+        self.observation = new
+        reward = (new.score - obs.score) + (self.win_bonus if new.won else 0.0) - self.step_penalty
+        terminated = new.won or new.lost
+        truncated = not terminated and self.steps >= self.max_steps
+        return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})
+
+    def close(self) -> None:
+        self._env.close()

@@ -1,0 +1,201 @@
+"""Batched, trie-constrained decoding with a persistent KV cache.
+
+``ConstrainedDecoder.act`` picks one admissible command for every live environment at once:
+
+1. Each environment's prompt is fed once. The cache persists across turns of an episode, so when
+   the new prompt extends what the row already holds (the prompt builder makes prompts append-only
+   until history is truncated), only the new tokens are fed; otherwise the row's old positions are
+   masked out and the whole prompt is fed again.
+2. Rows then advance in lockstep, one model call per fork level: each call feeds every row's
+   pending tokens (the token just chosen plus the forced single-child chain after it), left-padded
+   into one chunk with explicit position ids, and reads the logits at the chunk's last position.
+3. At a fork the logits of the allowed children are divided by the temperature and sampled (argmax
+   when greedy). The recorded log-prob is ``log_softmax(logits[allowed] / T)[chosen]`` -- exactly
+   what the PPO update recomputes from the same token ids, masks and temperature (T = 1 for greedy).
+
+The KV cache therefore holds padding holes; they are masked, and positions count real tokens only,
+so every row computes what it would compute alone (pinned by the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from textrl.policy.model import PolicyValueModel
+from textrl.policy.trie import CommandTrie
+
+
+@dataclass
+class Decision:
+    """One sampled token at a fork of the command trie."""
+
+    index: int  # position of the chosen token in Action.command_ids
+    allowed: list[int]  # the fork's children, sorted
+    token: int
+    logprob: float  # under softmax(logits[allowed] / temperature)
+    value: float  # value estimate of the state at this fork
+
+
+@dataclass
+class Action:
+    command: str
+    command_ids: list[int]  # command tokens + end token, as fed after the prompt
+    decisions: list[Decision]
+    temperature: float
+
+    @property
+    def logprob(self) -> float:
+        return sum(d.logprob for d in self.decisions)
+
+
+def masked_logprobs(logits: torch.Tensor, allowed: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probs over the allowed tokens (``allowed``: bool mask over the vocabulary)."""
+    scaled = logits.float() / temperature
+    return torch.log_softmax(scaled.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+class ConstrainedDecoder:
+    """Decodes admissible commands for a batch of environment slots, keeping their KV cache between turns.
+
+    Call ``reset()`` when a new set of episodes starts. Slots may drop out between calls (finished
+    episodes); a slot that was not in the previous call resets the cache.
+    """
+
+    def __init__(self, policy: PolicyValueModel, pad_id: int):
+        self.policy = policy
+        self.pad_id = pad_id
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [rows, cached positions]; 0 marks padding / dropped tokens
+        self.slots: list = []
+        self.fed: list[list[int]] = []  # real tokens already in each row's cache
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+    def _select(self, slots: list) -> None:
+        if self.cache is None or not set(slots) <= set(self.slots):
+            self.cache = self.policy.new_cache()
+            self.mask = torch.zeros(len(slots), 0, dtype=torch.long, device=self.device)
+            self.fed = [[] for _ in slots]
+        elif slots != self.slots:
+            rows = [self.slots.index(s) for s in slots]
+            index = torch.tensor(rows, device=self.device)
+            self.cache.batch_select_indices(index)
+            self.mask = self.mask[index]
+            self.fed = [self.fed[r] for r in rows]
+        self.slots = list(slots)
+
+    def _feed(self, chunks: list[list[int]]) -> torch.Tensor:
+        """Append each row's tokens (left-padded into one chunk); return the hidden state at the chunk end."""
+        width = max(len(c) for c in chunks)
+        ids = torch.full((len(chunks), width), self.pad_id, dtype=torch.long)
+        new_mask = torch.zeros(len(chunks), width, dtype=torch.long)
+        positions = torch.zeros(len(chunks), width, dtype=torch.long)
+        for r, chunk in enumerate(chunks):
+            n = len(chunk)
+            if n:
+                ids[r, width - n:] = torch.tensor(chunk)
+                new_mask[r, width - n:] = 1
+                positions[r, width - n:] = torch.arange(len(self.fed[r]), len(self.fed[r]) + n)
+            self.fed[r].extend(chunk)
+        device = self.device
+        self.mask = torch.cat([self.mask, new_mask.to(device)], dim=1)
+        hidden, self.cache = self.policy.hidden(ids.to(device), self.mask, positions.to(device), self.cache)
+        return hidden[:, -1]
+
+    @torch.no_grad()
+    def act(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie], temperature: float = 1.0,
+            greedy: bool = False, generator: torch.Generator | None = None) -> list[Action]:
+        if not greedy and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        temperature = 1.0 if greedy else float(temperature)
+        self._select(slots)
+        n = len(slots)
+        pending: list[list[int]] = []
+        for r, prompt in enumerate(prompts):
+            fed = self.fed[r]
+            if len(prompt) > len(fed) and prompt[: len(fed)] == fed:
+                pending.append(prompt[len(fed):])
+            else:  # history was truncated (or a new episode): drop the row's cache, feed it all
+                self.mask[r] = 0
+                self.fed[r] = []
+                pending.append(list(prompt))
+        nodes, out_ids, decisions, done = [], [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
+        for r, trie in enumerate(tries):
+            forced, node = trie.advance(trie.root)
+            out_ids[r] += forced
+            nodes.append(node)
+            done[r] = node.command is not None
+            pending[r] += [] if done[r] else forced
+        while not all(done):
+            live = [r for r in range(n) if not done[r]]
+            last = self._feed([pending[r] if not done[r] else [] for r in range(n)])[live]
+            logits = self.policy.logits(last)
+            values = self.policy.value(last)
+            allowed = torch.zeros_like(logits, dtype=torch.bool)
+            for i, r in enumerate(live):
+                allowed[i, list(nodes[r].children)] = True
+            logp = masked_logprobs(logits, allowed, temperature)
+            if greedy:
+                chosen = logp.argmax(dim=-1)
+            else:
+                chosen = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            chosen_logp = logp.gather(1, chosen[:, None]).squeeze(-1)
+            for i, r in enumerate(live):
+                token = int(chosen[i])
+                decisions[r].append(Decision(len(out_ids[r]), sorted(nodes[r].children), token,
+                                             float(chosen_logp[i]), float(values[i])))
+                out_ids[r].append(token)
+                node = nodes[r].children[token]
+                forced, node = tries[r].advance(node) if token != tries[r].end_id else ([], node)
+                out_ids[r] += forced
+                nodes[r] = node
+                done[r] = node.command is not None
+                pending[r] = [token] + forced
+        return [Action(nodes[r].command, out_ids[r], decisions[r], temperature) for r in range(n)]
+
+
+@torch.no_grad()
+def score_commands(policy: PolicyValueModel, prompt: list[int], trie: CommandTrie) -> dict[str, float]:
+    """Probability (T = 1) of every command in the trie: the product of its fork decisions.
+
+    The prompt is fed once; its cache is repeated for every command, whose tokens are then fed in
+    one right-padded call.
+    """
+    device = next(policy.parameters()).device
+    commands = list(trie.commands)
+    cache = policy.new_cache()
+    prompt_t = torch.tensor([prompt], device=device)
+    ones = torch.ones_like(prompt_t)
+    hidden, cache = policy.hidden(prompt_t, ones, torch.arange(len(prompt), device=device)[None], cache)
+    first = policy.logits(hidden[:, -1])[0]
+    cache.batch_repeat_interleave(len(commands))
+    width = max(len(trie.commands[c]) for c in commands) - 1  # the end token is never an input
+    ids = torch.full((len(commands), max(width, 1)), policy.lm.config.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, c in enumerate(commands):
+        tokens = trie.commands[c][:-1]
+        ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[i, : len(tokens)] = 1
+    positions = len(prompt) + torch.arange(ids.shape[1])[None].expand_as(ids)
+    full_mask = torch.cat([ones.expand(len(commands), -1), mask.to(device)], dim=1)
+    hidden, _ = policy.hidden(ids.to(device), full_mask, positions.to(device), cache)
+    logits = policy.logits(hidden)  # [commands, width, vocab]: logits after each command token
+    out = {}
+    for i, c in enumerate(commands):
+        ids_c, node, total = trie.commands[c], trie.root, 0.0
+        for k, token in enumerate(ids_c):
+            if node.is_fork:
+                row = first if k == 0 else logits[i, k - 1]
+                allowed = torch.zeros_like(row, dtype=torch.bool)
+                allowed[list(node.children)] = True
+                total += float(masked_logprobs(row, allowed, 1.0)[token])
+            node = node.children[token]
+        out[c] = float(torch.tensor(total).exp())
+    return out

