@@ -1,14 +1,168 @@
-"""Config schemas and loading of the YAML config groups in ``conf/``."""
+"""Config schemas (Hydra structured configs) and validation.
+
+Every group in ``conf/`` is typed by a dataclass here, registered in Hydra's ConfigStore, so an
+unknown key or a wrongly typed value fails when the config is composed. Value checks (ranges,
+choices) run in ``validate`` before anything is built, and name the key, the value and what is
+allowed.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
-from omegaconf import OmegaConf
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from textrl.policy.model import ModelConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class ConfigError(ValueError):
+    """A config value outside what is allowed; the message names the key, the value and the rule."""
+
+
+@dataclass
+class EnvConfig:
+    difficulty: str = "easy"  # easy | medium | hard
+    num_envs: int = 16  # parallel training environments (one episode each per iteration)
+    repeatable: bool = False  # True: the same num_envs training games every iteration
+    pool_size: int = 256  # fresh mode: training games each iteration's games are drawn from
+    max_steps: Optional[int] = None  # None: the difficulty's step limit (8 / 32 / 32)
+    step_penalty: float = 0.1
+    win_bonus: float = 1.0
+    history_len: int = 8  # past turns kept by the environment
+    max_prompt_tokens: int = 1024
+    list_commands: bool = False  # show admissible commands in the prompt (the seed does not)
+    workers: int = 2  # game-generation processes
+
+
+@dataclass
+class PPOConfig:
+    lr_lm: float = 1e-5
+    lr_lm_min: float = 1e-7  # cosine decay floor, reached at the last iteration
+    lr_value: float = 1e-4
+    weight_decay: float = 0.0
+    clip: float = 0.2
+    vf_coef: float = 0.05
+    ent_coef: float = 0.01
+    gamma: float = 0.99
+    lam: float = 0.95
+    epochs: int = 4  # passes over each rollout
+    minibatch_size: int = 4  # sequences per forward
+    grad_accum: int = 4  # forwards per optimizer step
+    max_grad_norm: float = 1.0
+    normalize_advantages: bool = True
+    temperature: float = 1.0  # initial sampling temperature
+    temperature_decay: float = 0.995  # per iteration
+    temperature_min: float = 0.5
+
+
+@dataclass
+class MemoryConfig:
+    name: str = "none"
+    precision: str = "32-true"  # Lightning precision plugin
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "csv"  # csv | tensorboard | wandb
+    project: str = "textrl"  # wandb project
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "auto"
+    devices: Any = 1
+    strategy: str = "auto"
+    num_nodes: int = 1
+
+
+@dataclass
+class EvalConfig:
+    every: int = 5  # iterations between evaluations (and one before training)
+    games: int = 32  # held-out evaluation games
+    batch: int = 16  # games played together
+    transcripts: int = 3  # games per evaluation written out as readable transcripts
+
+
+@dataclass
+class TrainConfig:
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    experiment: Optional[str] = None  # name of the experiment (set by conf/experiment/*), groups sweeps
+    seed: int = 0
+    iterations: int = 40
+    threads: Optional[int] = None  # torch CPU threads; None keeps torch's default
+    cache_dir: Optional[str] = None  # games and converted models; None: $TEXTRL_CACHE or ~/.cache/textrl
+    output_dir: str = MISSING  # the run directory (Hydra sets it to its output dir)
+    ckpt_path: Optional[str] = None  # resume from this checkpoint (e.g. <run>/checkpoints/last.ckpt)
+
+
+def register_configs() -> None:
+    """``train_schema`` types the whole tree: group files merge into typed nodes, so unknown keys fail."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def _check(key: str, value, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Range and choice checks that types alone cannot express."""
+    from textrl.games.pool import DIFFICULTIES
+
+    e, p = cfg.env, cfg.ppo
+    _check("env.difficulty", e.difficulty, e.difficulty in DIFFICULTIES, f"one of {sorted(DIFFICULTIES)}")
+    for key in ["num_envs", "pool_size", "history_len", "workers"]:
+        _check(f"env.{key}", getattr(e, key), getattr(e, key) >= 1, "an integer >= 1")
+    _check("env.max_steps", e.max_steps, e.max_steps is None or e.max_steps >= 1, "null or an integer >= 1")
+    _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= 128, "an integer >= 128")
+    _check("env.pool_size", e.pool_size, e.repeatable or e.pool_size >= e.num_envs, f">= env.num_envs ({e.num_envs})")
+    for key in ["lr_lm", "lr_value"]:
+        v = getattr(p, key)
+        _check(f"ppo.{key}", v, math.isfinite(v) and v > 0, "a number > 0")
+    _check("ppo.lr_lm_min", p.lr_lm_min, 0 <= p.lr_lm_min <= p.lr_lm, f"between 0 and ppo.lr_lm ({p.lr_lm})")
+    for key in ["clip", "max_grad_norm", "temperature"]:
+        v = getattr(p, key)
+        _check(f"ppo.{key}", v, v > 0, "a number > 0")
+    for key in ["vf_coef", "ent_coef", "weight_decay"]:
+        _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 0, "a number >= 0")
+    for key in ["gamma", "lam", "temperature_decay"]:
+        v = getattr(p, key)
+        _check(f"ppo.{key}", v, 0 < v <= 1, "a number in (0, 1]")
+    _check("ppo.temperature_min", p.temperature_min, 0 < p.temperature_min <= p.temperature,
+           f"in (0, ppo.temperature={p.temperature}]")
+    for key in ["epochs", "minibatch_size", "grad_accum"]:
+        _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 1, "an integer >= 1")
+    _check("iterations", cfg.iterations, cfg.iterations >= 1, "an integer >= 1")
+    _check("threads", cfg.threads, cfg.threads is None or cfg.threads >= 1, "null or an integer >= 1")
+    for key in ["every", "games", "batch"]:
+        _check(f"eval.{key}", getattr(cfg.eval, key), getattr(cfg.eval, key) >= 1, "an integer >= 1")
+    _check("eval.transcripts", cfg.eval.transcripts, cfg.eval.transcripts >= 0, "an integer >= 0")
+    _check("logger.name", cfg.logger.name, cfg.logger.name in {"csv", "tensorboard", "wandb"},
+           "one of ['csv', 'tensorboard', 'wandb']")
+    _check("model.source", cfg.model.source, cfg.model.source in {"hub", "gguf", "random"},
+           "one of ['hub', 'gguf', 'random']")
+    _check("model.value_hidden", cfg.model.value_hidden, cfg.model.value_hidden >= 1, "an integer >= 1")
+    return cfg
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The composed Hydra config as a validated TrainConfig object."""
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, TrainConfig):
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+    return validate(obj)
 
 
 def _group_file(group: str, name: str) -> Path:
@@ -21,5 +175,8 @@ def _group_file(group: str, name: str) -> Path:
 
 def load_model_config(name: str, **overrides) -> ModelConfig:
     """A ``model`` group option as a validated ModelConfig (unknown keys fail)."""
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(_group_file("model", name)), overrides)
+    data = OmegaConf.load(_group_file("model", name))
+    data.pop("defaults", None)
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), data, overrides)
     return OmegaConf.to_object(merged)
+

@@ -7,7 +7,9 @@ An episode ends when the game is won or lost (``terminated``) or after ``max_ste
 
 from __future__ import annotations
 
+import json
 import re
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,14 +75,36 @@ def clean_feedback(text: str) -> str:
     return re.sub(r"\n\s*\n+", "\n", text).strip()
 
 
+_LENGTH_SCALE = {1: 2, 2: 2, 3: 2, 4: 4, 5: 4, 6: 8, 7: 8, 8: 8}
+
+
+def check_game_file(path: Path) -> None:
+    """Refuse files the game interpreter would hang on or misread: a Z-machine story must have a
+    valid version byte and be at least as long as its header says, and TextWorld needs the
+    game's ``.json`` beside it for admissible commands."""
+    if not path.is_file():
+        raise GameFileError(f"game file {path} does not exist; generate games with textrl.games.pool.GamePool")
+    data = path.read_bytes()[:64]
+    version = data[0] if data else 0
+    declared = int.from_bytes(data[0x1A:0x1C], "big") * _LENGTH_SCALE.get(version, 0) if len(data) == 64 else 0
+    if version not in _LENGTH_SCALE or declared == 0 or declared > path.stat().st_size:
+        raise GameFileError(f"{path} is not a complete Z-machine game (truncated or corrupt); delete it so "
+                            f"the pool regenerates it")
+    meta = path.with_suffix(".json")
+    try:
+        json.loads(meta.read_text())
+    except (OSError, ValueError) as exc:
+        raise GameFileError(f"{meta} is missing or corrupt ({exc}); delete the game's folder so the pool "
+                            f"regenerates it") from exc
+
+
 class TextGame:
     """A TextWorld game with the textrl reward, step limit and a bounded history of turns."""
 
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
                  win_bonus: float = 1.0, history_len: int = 8):
         game_file = Path(game_file)
-        if not game_file.is_file():
-            raise GameFileError(f"game file {game_file} does not exist; generate games with textrl.games.pool.GamePool")
+        check_game_file(game_file)
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         self.game_file = game_file
@@ -89,7 +113,10 @@ class TextGame:
         self.win_bonus = win_bonus
         self.history: deque[Turn] = deque(maxlen=history_len)
         try:
-            self._env = textworld.start(str(game_file), request_infos=REQUEST_INFOS)
+            with warnings.catch_warnings():
+                # Jericho cannot track score for TextWorld stories; TextWorld tracks it itself.
+                warnings.filterwarnings("ignore", message=".*is not fully supported.*")
+                self._env = textworld.start(str(game_file), request_infos=REQUEST_INFOS)
         except Exception as exc:
             raise GameFileError(f"TextWorld cannot load {game_file}: {exc}. Delete it so the pool regenerates it.") from exc
         self.observation: Observation | None = None

@@ -13,6 +13,7 @@ evaluation seeds start at ``EVAL_SEED_BASE``.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import multiprocessing
@@ -21,6 +22,7 @@ import shutil
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 EVAL_SEED_BASE = 1_000_000
 SPLITS = ("train", "eval")
 GAME_FILES = ("game.z8", "game.json")
+MAX_FAILURES = 16  # more failed seeds than this (or than games asked for) means the settings are broken
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,9 @@ def _generate(difficulty: Difficulty, seed: int, entry: Path) -> str | None:
         return None
     except Exception as exc:  # TextWorld raises many kinds; any of them means "skip this seed"
         shutil.rmtree(tmp, ignore_errors=True)
-        entry.mkdir(parents=True, exist_ok=True)
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        entry.mkdir(parents=True)
         (entry / "failed.txt").write_text(f"{type(exc).__name__}: {exc}")
         return f"{type(exc).__name__}: {exc}"
 
@@ -143,23 +148,31 @@ class GamePool:
     def games(self, split: str, n: int, start: int = 0) -> list[Path]:
         """Paths of ``n`` playable games of ``split``, from game index ``start`` on.
 
-        Seeds that failed to generate are skipped, so the result may span more than ``n`` seeds.
+        Seeds that fail to generate are skipped, so the result may span more than ``n`` seeds.
         """
+        seed_for(split, start)  # validates split and start
+        indices = range(start, EVAL_SEED_BASE) if split == "train" else itertools.count(start)
+        return self.collect((seed_for(split, i) for i in indices), n)
+
+    def collect(self, seeds: Iterable[int], n: int) -> list[Path]:
+        """The first ``n`` seeds of ``seeds`` that give a playable game (cached or generated now)."""
         if n < 0:
             raise ValueError(f"number of games must be >= 0, got {n}")
-        found: dict[int, Path] = {}
-        index = start
+        seeds = iter(seeds)
+        found: list[tuple[int, Path]] = []
+        failures = 0
         while len(found) < n:
-            want = n - len(found)
-            seeds = [seed_for(split, i) for i in range(index, index + want)]
-            index += want
+            batch = list(itertools.islice(seeds, n - len(found)))
+            if not batch:
+                raise RuntimeError(f"ran out of seeds after {len(found)} of {n} {self.difficulty.name} games")
             missing = []
-            for seed in seeds:
+            for seed in batch:
                 entry = self.entry(seed)
                 if is_valid_entry(entry):
-                    found[seed] = entry / "game.z8"
+                    found.append((seed, entry / "game.z8"))
                 elif (entry / "failed.txt").exists():
-                    log.warning("skipping %s game seed %d: %s", self.difficulty.name, seed,
+                    failures += 1
+                    log.warning("skipping %s game seed %d (failed before): %s", self.difficulty.name, seed,
                                 (entry / "failed.txt").read_text())
                 else:
                     if entry.exists():
@@ -167,10 +180,15 @@ class GamePool:
                     missing.append(seed)
             for seed, error in zip(missing, self._generate_all(missing)):
                 if error is None:
-                    found[seed] = self.entry(seed) / "game.z8"
+                    found.append((seed, self.entry(seed) / "game.z8"))
                 else:
+                    failures += 1
                     log.warning("skipping %s game seed %d: %s", self.difficulty.name, seed, error)
-        return [found[s] for s in sorted(found)]
+            if failures > max(MAX_FAILURES, n):
+                raise RuntimeError(
+                    f"{failures} {self.difficulty.name} game seeds failed to generate (see the warnings); "
+                    f"check the difficulty settings {self.difficulty} and the TextWorld install")
+        return [path for _, path in sorted(found)]
 
     def _generate_all(self, seeds: list[int]) -> list[str | None]:
         if not seeds:

@@ -104,6 +104,37 @@ def _hub_location(cfg: ModelConfig) -> str:
     return cfg.hub_id
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick connection attempt: huggingface_hub would otherwise retry for about a minute."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_pretrained(cls, cfg: ModelConfig, location: str, **kwargs):
+    """Local path or Hugging Face cache first, then the hub if it answers; else one clear error."""
+    try:
+        return cls.from_pretrained(location, local_files_only=True, **kwargs)
+    except OSError as exc:
+        error = exc
+    if location == cfg.hub_id and _hub_reachable():
+        try:
+            return cls.from_pretrained(location, **kwargs)
+        except OSError as exc:
+            error = exc
+    raise _not_found(cfg, location, error) from error
+
+
 def load_tokenizer(cfg: ModelConfig, cache_dir: str | Path | None = None):
     from transformers import AutoTokenizer
 
@@ -114,11 +145,7 @@ def load_tokenizer(cfg: ModelConfig, cache_dir: str | Path | None = None):
     if cfg.source == "gguf":
         tokenizer = AutoTokenizer.from_pretrained(str(_converted_gguf(cfg, cache_dir)))
     else:
-        location = _hub_location(cfg)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(location)
-        except OSError as exc:
-            raise _not_found(cfg, location, exc) from exc
+        tokenizer = _from_pretrained(AutoTokenizer, cfg, _hub_location(cfg))
     if tokenizer.pad_token_id is None:  # e.g. GPT-2; pads are always masked, so any id works
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -129,9 +156,10 @@ def _not_found(cfg: ModelConfig, location: str, exc: Exception) -> ModelNotFound
 
     return ModelNotFoundError(
         f"model '{cfg.name}' could not be loaded from '{location}'. Looked in: the local path "
-        f"(model.path={cfg.path}), the Hugging Face cache ({HF_HUB_CACHE}) and the hub (unreachable or "
-        f"missing: {type(exc).__name__}). To get it, run `huggingface-cli download {cfg.hub_id}` where the "
-        f"hub is reachable and copy the cache here, or pass model.path=/dir/with/weights.")
+        f"(model.path={cfg.path}), the Hugging Face cache ({HF_HUB_CACHE}) and the hub (unreachable, or "
+        f"the files are missing). To get it, run `hf download {cfg.hub_id}` on a machine that reaches "
+        f"the hub and copy its cache here, or pass model.path=/dir/with/config.json/and/weights. "
+        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
 
 def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None) -> nn.Module:
@@ -147,11 +175,9 @@ def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None) ->
         with torch.random.fork_rng():
             torch.manual_seed(cfg.init_seed)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    location = str(_converted_gguf(cfg, cache_dir)) if cfg.source == "gguf" else _hub_location(cfg)
-    try:
-        return AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32)
-    except OSError as exc:
-        raise _not_found(cfg, location, exc) from exc
+    if cfg.source == "gguf":
+        return AutoModelForCausalLM.from_pretrained(str(_converted_gguf(cfg, cache_dir)), dtype=torch.float32)
+    return _from_pretrained(AutoModelForCausalLM, cfg, _hub_location(cfg), dtype=torch.float32)
 
 
 class ValueHead(nn.Module):

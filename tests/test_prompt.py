@@ -1,0 +1,68 @@
+import copy
+
+import pytest
+
+from textrl.games.env import TextGame
+from textrl.games.prompt import PromptBuilder, PromptTooLongError
+
+
+def play_some(path, commands=("look", "inventory", "look")):
+    env = TextGame(path, 8)
+    env.reset()
+    snapshots = [(env.observation, list(env.history))]
+    for command in commands:
+        env.step(command)
+        snapshots.append((env.observation, list(env.history)))
+    return env, snapshots
+
+
+def test_chat_template_prompt_holds_objective_observation_and_generation_prompt(prompts, easy_games):
+    env, snaps = play_some(easy_games[0])
+    obs, history = snaps[0]
+    text = prompts.tokenizer.decode(prompts.build(obs, history))
+    assert prompts.chat and text.startswith("<|im_start|>system")
+    assert obs.objective in text and obs.inventory in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "Commands:" not in text  # the seed leaves them out by default
+
+
+def test_prompts_are_append_only_so_the_kv_cache_can_be_reused(prompts, easy_games):
+    env, snaps = play_some(easy_games[0])
+    for (obs_a, hist_a), (obs_b, hist_b) in zip(snaps, snaps[1:]):
+        a, b = prompts.build(obs_a, hist_a), prompts.build(obs_b, hist_b)
+        command = hist_b[-1].command
+        expected_prefix = a + prompts.encode_command(command) + [prompts.end_id]
+        assert b[: len(expected_prefix)] == expected_prefix
+
+
+def test_oldest_history_is_dropped_first(prompts, easy_games):
+    env, snaps = play_some(easy_games[0])
+    obs, history = snaps[-1]
+    full = prompts.build(obs, history)
+    without_oldest = prompts.build(obs, history[1:])
+    small = PromptBuilder(prompts.tokenizer, max_prompt_tokens=len(full) - 1)
+    assert small.build(obs, history) == without_oldest
+    alone = prompts.build(obs, [])
+    with pytest.raises(PromptTooLongError, match="max_prompt_tokens"):
+        PromptBuilder(prompts.tokenizer, max_prompt_tokens=len(alone) - 1).build(obs, [])
+
+
+def test_listing_commands_is_an_option(prompts, easy_games):
+    env, snaps = play_some(easy_games[0], ())
+    obs, history = snaps[0]
+    listed = PromptBuilder(prompts.tokenizer, list_commands=True)
+    text = prompts.tokenizer.decode(listed.build(obs, history))
+    assert "Commands: " + ", ".join(obs.admissible_commands) in text
+
+
+def test_plain_transcript_without_a_chat_template(prompts, easy_games):
+    tokenizer = copy.deepcopy(prompts.tokenizer)
+    tokenizer.chat_template = None
+    plain = PromptBuilder(tokenizer)
+    assert not plain.chat and plain.end_id == tokenizer.eos_token_id
+    env, snaps = play_some(easy_games[0])
+    (obs_a, hist_a), (obs_b, hist_b) = snaps[0], snaps[1]
+    a, b = plain.build(obs_a, hist_a), plain.build(obs_b, hist_b)
+    assert tokenizer.decode(a).endswith("\n>") and obs_a.objective in tokenizer.decode(a)
+    assert b[: len(a)] == a and b[len(a):].count(plain.end_id) == 1
+    assert tokenizer.decode(plain.encode_command("look")) == " look"

@@ -1,0 +1,108 @@
+"""textrl-play: play a TextWorld game by hand, or watch a model play it greedily.
+
+    textrl-play                              # you type the commands (easy, held-out game 0)
+    textrl-play --difficulty medium --game 3
+    textrl-play --model smollm2 --top 5      # the model plays; shows its 5 most likely commands
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from textrl.games.env import InvalidCommandError, TextGame
+from textrl.games.pool import DIFFICULTIES, GamePool
+from textrl.games.prompt import PromptBuilder, observation_text
+
+
+def _show(obs, step: int) -> None:
+    print(f"\n--- step {step} | score {obs.score}/{obs.max_score} ---")
+    if step == 0:
+        print(f"GOAL: {obs.objective}\n")
+    print(observation_text(obs))
+
+
+def _ask(obs, read) -> str | None:
+    print("\nadmissible: " + " | ".join(f"[{i}] {c}" for i, c in enumerate(obs.admissible_commands)))
+    while True:
+        line = read("> ")
+        if line is None or line.strip() in {"quit", "exit"}:
+            return None
+        line = line.strip()
+        if line.isdigit() and int(line) < len(obs.admissible_commands):
+            return obs.admissible_commands[int(line)]
+        if line in obs.admissible_commands:
+            return line
+        print(f"'{line}' is not admissible here; type one of the commands above or its number (quit to stop).")
+
+
+def _read(prompt: str) -> str | None:
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="textrl-play", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--difficulty", default="easy", choices=sorted(DIFFICULTIES))
+    ap.add_argument("--split", default="eval", choices=["train", "eval"])
+    ap.add_argument("--game", type=int, default=0, help="game index within the split")
+    ap.add_argument("--game-file", help="play this compiled game (.z8) instead")
+    ap.add_argument("--model", help="a model config name (gpt2, qwen, smollm2, tiny): watch it play greedily")
+    ap.add_argument("--top", type=int, default=5, help="how many likely commands to show per step")
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    args = ap.parse_args(argv)
+
+    difficulty = DIFFICULTIES[args.difficulty]
+    path = args.game_file or GamePool(difficulty).games(args.split, 1, start=args.game)[0]
+    env = TextGame(path, difficulty.max_steps)
+    obs = env.reset()
+    print(f"game: {path}")
+
+    if args.model:
+        from textrl.config import load_model_config
+        from textrl.policy.decoding import ConstrainedDecoder, score_commands
+        from textrl.policy.model import build_policy
+        from textrl.policy.trie import CommandTrie
+
+        policy, tokenizer = build_policy(load_model_config(args.model))
+        policy.eval()
+        prompts = PromptBuilder(tokenizer, max_prompt_tokens=args.max_prompt_tokens)
+        decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+
+    step, total = 0, 0.0
+    while True:
+        _show(obs, step)
+        if args.model:
+            prompt = prompts.build(obs, env.history)
+            trie = CommandTrie(obs.admissible_commands, prompts.encode_command, prompts.end_id)
+            probs = score_commands(policy, prompt, trie)
+            for command, p in sorted(probs.items(), key=lambda kv: -kv[1])[: args.top]:
+                print(f"  {p:6.1%}  {command}")
+            command = decoder.act([0], [prompt], [trie], greedy=True)[0].command
+            print(f"> {command}")
+        else:
+            command = _ask(obs, _read)
+            if command is None:
+                print("bye")
+                return 0
+        try:
+            result = env.step(command)
+        except InvalidCommandError as exc:  # cannot happen for the model: the trie only holds admissible ones
+            print(exc)
+            continue
+        step += 1
+        total += result.reward
+        obs = result.observation
+        print(f"reward {result.reward:+.2f}")
+        if result.done:
+            _show(obs, step)
+            outcome = "WON" if obs.won else ("LOST" if obs.lost else "out of steps")
+            print(f"\n{outcome} after {step} steps, return {total:+.2f}")
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

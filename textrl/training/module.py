@@ -1,0 +1,226 @@
+"""The PPO LightningModule: rollouts come from the DataModule, updates happen here.
+
+One Lightning epoch is one PPO iteration. ``training_step`` receives a minibatch of sequences
+(prompt + command tokens of consecutive turns, see ``textrl.ppo.buffer``), runs one forward per
+sequence, reads the logits and values at the decision positions and applies the clipped PPO loss.
+Optimization is manual because gradient accumulation and clipping are PPO settings (Lightning
+refuses them on the Trainer under manual optimization) and the LR schedule steps per iteration.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import resource
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from textrl.config import TrainConfig
+from textrl.games.env import TextGame
+from textrl.games.pool import DIFFICULTIES
+from textrl.games.prompt import PromptBuilder, observation_text
+from textrl.policy.decoding import ConstrainedDecoder
+from textrl.policy.model import PolicyValueModel
+from textrl.ppo.buffer import Sequence
+from textrl.ppo.losses import ppo_loss
+from textrl.rollout import Episode, play
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """PPO's ratio is 1 on fresh data only if the update sees the rollout's exact function."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for key in list(vars(config)) if config is not None else []:
+        if ("dropout" in key or "pdrop" in key) and isinstance(getattr(config, key), float):
+            setattr(config, key, 0.0)
+
+
+def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    n = max(len(episodes), 1)
+    return {
+        f"{prefix}/win_rate": sum(e.won for e in episodes) / n,
+        f"{prefix}/episode_len": sum(e.length for e in episodes) / n,
+        f"{prefix}/return": sum(e.total_return for e in episodes) / n,
+    }
+
+
+def write_transcripts(episodes: list[Episode], path: Path, title: str) -> None:
+    lines = [f"# {title}\n"]
+    for e in episodes:
+        outcome = "won" if e.won else "lost"
+        lines.append(f"## {Path(e.game).parent.name}: {outcome} in {e.length} steps, return {e.total_return:+.2f}\n")
+        lines.append(f"**Goal:** {e.steps[0].observation.objective}\n" if e.steps else "")
+        for i, s in enumerate(e.steps, 1):
+            quoted = "\n".join("> " + line for line in observation_text(s.observation).splitlines())
+            lines.append(f"**Step {i}**\n\n{quoted}\n")
+            lines.append(f"- command: `{s.action.command}` (p = {math.exp(s.action.logprob):.3f})")
+            lines.append(f"- reward: {s.reward:+.2f}\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+
+
+class PPOModule(L.LightningModule):
+    def __init__(self, cfg: TrainConfig, policy: PolicyValueModel, tokenizer):
+        super().__init__()
+        self.automatic_optimization = False
+        self.cfg = cfg
+        self.policy = policy
+        disable_dropout(policy.lm)
+        self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(tokenizer, cfg.env.max_prompt_tokens, cfg.env.list_commands)
+        self.decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+        self.max_steps = cfg.env.max_steps or DIFFICULTIES[cfg.env.difficulty].max_steps
+        self.temperature = cfg.ppo.temperature  # decayed by the TemperatureSchedule callback
+        self.sampler = torch.Generator().manual_seed(cfg.seed)  # rollout sampling only
+        self.rollout_metrics: dict[str, float] = {}
+        self._stats: dict[str, list[float]] = defaultdict(list)
+        self._micro = 0
+        self._update_start = 0.0
+        self._update_tokens = 0
+        self._eval_episodes: list[Episode] = []
+
+    # ---- rollouts -------------------------------------------------------------------------
+    def play(self, games: list[Path], greedy: bool) -> list[Episode]:
+        envs = [TextGame(g, self.max_steps, self.cfg.env.step_penalty, self.cfg.env.win_bonus,
+                         self.cfg.env.history_len) for g in games]
+        try:
+            episodes, stats = play(envs, self.decoder, self.prompts, temperature=self.temperature,
+                                   greedy=greedy, generator=self.sampler)
+        finally:
+            for env in envs:
+                env.close()
+            self.decoder.reset()  # free the KV cache between rollouts
+        self._last_play = stats
+        return episodes
+
+    # ---- update ---------------------------------------------------------------------------
+    def configure_optimizers(self):
+        p = self.cfg.ppo
+        groups = [
+            {"params": [q for q in self.policy.lm.parameters() if q.requires_grad], "lr": p.lr_lm, "name": "lm"},
+            {"params": list(self.policy.value_head.parameters()), "lr": p.lr_value, "name": "value"},
+        ]
+        optimizer = torch.optim.AdamW(groups, weight_decay=p.weight_decay)
+        total, floor = self.cfg.iterations, p.lr_lm_min / p.lr_lm
+
+        def cosine(it: int) -> float:  # LM: cosine from lr_lm to lr_lm_min over the run
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(it, total) / total))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [cosine, lambda it: 1.0])
+        return [optimizer], [{"scheduler": scheduler, "interval": "epoch"}]
+
+    def _forward(self, batch: list[Sequence]):
+        device = self.device
+        width = max(len(s.input_ids) for s in batch)
+        ids = torch.full((len(batch), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, s in enumerate(batch):  # right padding: positions are plain 0..n-1, as in the rollout
+            ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
+            mask[r, : len(s.input_ids)] = 1
+        positions = torch.arange(width)[None].expand_as(ids)
+        hidden, _ = self.policy.hidden(ids.to(device), mask.to(device), positions.to(device))
+        rows = torch.tensor([r for r, s in enumerate(batch) for _ in s.positions], device=device)
+        cols = torch.tensor([c for s in batch for c in s.positions], device=device)
+        h = hidden[rows, cols]
+        logits = self.policy.logits(h)
+        allowed = torch.zeros_like(logits, dtype=torch.bool)
+        for i, a in enumerate(a for s in batch for a in s.allowed):
+            allowed[i, a] = True
+        return logits, allowed, self.policy.value(h), int(mask.sum())
+
+    def training_step(self, batch, batch_idx):
+        if batch.first:
+            self._update_start = time.perf_counter()
+        sequences = batch.sequences
+        p = self.cfg.ppo
+        logits, allowed, values, n_tokens = self._forward(sequences)
+
+        def flat(attr, dtype=torch.float32):
+            return torch.tensor([x for s in sequences for x in getattr(s, attr)], dtype=dtype, device=self.device)
+
+        terms = ppo_loss(logits, allowed, flat("tokens", torch.long), flat("temperatures"), flat("old_logprobs"),
+                         flat("advantages"), values, flat("returns"), p.clip, p.vf_coef, p.ent_coef)
+        self.manual_backward(terms.total / p.grad_accum)
+        self._micro += 1
+        self._update_tokens += n_tokens
+        if batch.first:  # fresh data, unchanged weights: the ratio must be exactly 1
+            self._stats["first_ratio_dev"].append(float((terms.ratio_mean - 1).abs()))
+        for key in ["total", "policy", "value", "entropy", "approx_kl", "clipfrac", "ratio_mean"]:
+            self._stats[key].append(float(getattr(terms, key).detach()))
+        if self._micro % p.grad_accum == 0 or batch.last:
+            optimizer = self.optimizers()
+            params = [q for group in optimizer.param_groups for q in group["params"]]
+            norm = torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
+            self._stats["grad_norm"].append(float(norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self._micro = 0
+
+    def on_train_epoch_end(self):
+        update_s = time.perf_counter() - self._update_start
+        scheduler = self.lr_schedulers()
+        groups = self.optimizers().param_groups
+        metrics = dict(self.rollout_metrics)
+        names = {"total": "loss/total", "policy": "loss/policy", "value": "loss/value", "entropy": "loss/entropy",
+                 "approx_kl": "policy/approx_kl", "clipfrac": "policy/clipfrac", "ratio_mean": "policy/ratio_mean",
+                 "first_ratio_dev": "policy/first_ratio_dev", "grad_norm": "optim/grad_norm"}
+        for key, values in self._stats.items():
+            metrics[names[key]] = sum(values) / len(values)
+        metrics.update({
+            "optim/lr_lm": groups[0]["lr"], "optim/lr_value": groups[1]["lr"], "rollout/temperature": self.temperature,
+            "perf/update_s": update_s, "perf/tokens_per_s": self._update_tokens / max(update_s, 1e-9),
+            "perf/peak_mem_gb": peak_memory_gb(self.device), "iteration": float(self.current_epoch + 1),
+        })
+        self.log_dict(metrics, on_epoch=True, sync_dist=True)
+        self._stats.clear()
+        self._update_tokens = 0
+        scheduler.step()
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def on_validation_epoch_start(self):
+        self._eval_episodes = []
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_episodes += self.play(batch, greedy=True)
+
+    def on_validation_epoch_end(self):
+        # inside fit, validation follows the update of epoch k (iteration k + 1); a stand-alone
+        # validate() runs before fit (iteration 0) or after it (current_epoch == iterations done)
+        iteration = self.current_epoch + (1 if self.trainer.state.fn == "fit" else 0)
+        episodes = self._eval_episodes
+        metrics = episode_metrics(episodes, "eval")
+        metrics["iteration"] = float(iteration)
+        self.log_dict(metrics, on_epoch=True, sync_dist=True)
+        if self.cfg.eval.transcripts and self.trainer.is_global_zero:
+            path = Path(self.cfg.output_dir) / "transcripts" / f"iter_{iteration:04d}.md"
+            write_transcripts(episodes[: self.cfg.eval.transcripts], path,
+                              f"Greedy evaluation after iteration {iteration}: win rate "
+                              f"{metrics['eval/win_rate']:.2f} on {len(episodes)} games")
+
+    # ---- checkpoint state beyond weights/optimizer/scheduler ----------------------------------
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["textrl"] = {
+            "temperature": self.temperature,
+            "sampler": self.sampler.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+
+    def on_load_checkpoint(self, checkpoint):
+        state = checkpoint["textrl"]
+        self.temperature = state["temperature"]
+        self.sampler.set_state(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
