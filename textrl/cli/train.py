@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import hydra
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from textrl.config import CONF_DIR, TrainConfig, register_configs, to_train_config, validate
-from textrl.policy.model import build_policy
+from textrl.config import CONF_DIR, ConfigError, TrainConfig, register_configs, to_train_config, validate
+from textrl.games.env import GameFileError
+from textrl.games.prompt import PromptTooLongError
+from textrl.policy.model import ModelNotFoundError, build_policy
 from textrl.training.callbacks import AtomicCheckpointIO, TemperatureSchedule
 from textrl.training.datamodule import RolloutDataModule
+from textrl.training.loggers import WandbIdCallback, make_logger
 from textrl.training.module import PPOModule
 
 log = logging.getLogger(__name__)
@@ -42,41 +44,11 @@ def check_checkpoint(path: str) -> Path:
     return ckpt
 
 
-def make_logger(cfg: TrainConfig, run_dir: Path, resume_state: dict | None):
-    name = cfg.logger.name
-    if name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
+def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> dict:
+    """Train with a composed config; returns the final metrics and the run's paths.
 
-        return CSVLogger(save_dir=run_dir, name="", version="logs")
-    if name == "tensorboard":
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        return TensorBoardLogger(save_dir=run_dir, name="", version="logs")
-    from lightning.pytorch.loggers import WandbLogger
-
-    if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") is None:
-        os.environ["WANDB_MODE"] = "offline"
-    if os.environ.get("WANDB_MODE") == "offline":
-        log.info("W&B: no API key configured, logging offline to %s/wandb (upload later with `wandb sync`)", run_dir)
-    run_id = (resume_state or {}).get("wandb_id")
-    return WandbLogger(project=cfg.logger.project, save_dir=str(run_dir), group=cfg.experiment or "default",
-                       tags=[f"seed={cfg.seed}"], name=f"{cfg.experiment or 'run'}-seed{cfg.seed}",
-                       id=run_id, resume="allow" if run_id else None,
-                       offline=os.environ.get("WANDB_MODE") == "offline",
-                       config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
-
-
-class WandbIdCallback(L.Callback):
-    """Keeps the W&B run id in checkpoints so a resumed run continues the same W&B run."""
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        logger = trainer.logger
-        if logger is not None and type(logger).__name__ == "WandbLogger":
-            checkpoint["textrl"]["wandb_id"] = logger.experiment.id
-
-
-def train(cfg: DictConfig | TrainConfig) -> dict:
-    """Train with a composed config; returns the final metrics and the run's paths."""
+    ``callbacks`` are added to the Trainer's (tests use one to stop a run part-way).
+    """
     cfg = validate(cfg) if isinstance(cfg, TrainConfig) else to_train_config(cfg)
     resume_state = None
     run_dir = Path(cfg.output_dir)
@@ -103,7 +75,7 @@ def train(cfg: DictConfig | TrainConfig) -> dict:
         num_nodes=cfg.trainer.num_nodes, precision=cfg.memory.precision,
         logger=make_logger(cfg, run_dir, resume_state),
         callbacks=[last, best, TemperatureSchedule(cfg.ppo.temperature, cfg.ppo.temperature_decay,
-                                                   cfg.ppo.temperature_min), WandbIdCallback()],
+                                                   cfg.ppo.temperature_min), WandbIdCallback(), *callbacks],
         plugins=[AtomicCheckpointIO()],
         check_val_every_n_epoch=cfg.eval.every, num_sanity_val_steps=0, log_every_n_steps=1,
         default_root_dir=run_dir, use_distributed_sampler=False, enable_model_summary=False,
@@ -118,7 +90,13 @@ def train(cfg: DictConfig | TrainConfig) -> dict:
             "best": best.best_model_path, "module": module, "trainer": trainer}
 
 
+USER_ERRORS = (ConfigError, ModelNotFoundError, CheckpointError, GameFileError, PromptTooLongError)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> None:
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except USER_ERRORS as exc:  # bad input: one clear line, not a traceback
+        raise SystemExit(f"error: {exc}") from None
     log.info("done: %s", {k: round(v, 4) for k, v in result["metrics"].items() if k.startswith("eval/")})

@@ -205,12 +205,12 @@ class PPOModule(L.LightningModule):
 
     # ---- checkpoint state beyond weights/optimizer/scheduler ----------------------------------
     def on_save_checkpoint(self, checkpoint):
-        checkpoint["textrl"] = {
+        checkpoint.setdefault("textrl", {}).update({
             "temperature": self.temperature,
             "sampler": self.sampler.get_state(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
-        }
+        })
 
     def on_load_checkpoint(self, checkpoint):
         state = checkpoint["textrl"]

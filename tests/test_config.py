@@ -1,0 +1,72 @@
+"""Every option of every config group composes; bad values fail at start, naming key, value and rule."""
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+import textrl.cli.train  # noqa: F401  (registers the schemas)
+from textrl.config import CONF_DIR, ConfigError, TrainConfig, to_train_config
+
+GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment"]
+
+
+def compose_train(overrides=()):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["output_dir=/tmp/unused", *overrides])
+    return to_train_config(cfg)
+
+
+def options(group):
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_defaults_are_easy_smollm2_csv():
+    cfg = compose_train()
+    assert isinstance(cfg, TrainConfig)
+    assert (cfg.env.difficulty, cfg.model.name, cfg.logger.name, cfg.memory.name) == ("easy", "smollm2", "csv", "none")
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_of_every_group_composes(group):
+    found = options(group)
+    assert found or group == "experiment"
+    for option in found:
+        cfg = compose_train([f"{group}={option}"])
+        if group == "env":
+            assert cfg.env.difficulty == option
+        if group in {"model", "logger", "memory"}:
+            assert getattr(cfg, group).name == option
+
+
+@pytest.mark.parametrize("override, message", [
+    ("ppo.lr_lm=-0.001", "ppo.lr_lm=-0.001 is not allowed: a number > 0"),
+    ("env.num_envs=0", "env.num_envs=0 is not allowed: an integer >= 1"),
+    ("env.difficulty=impossible", "env.difficulty='impossible' is not allowed: one of ['easy', 'hard', 'medium']"),
+    ("ppo.gamma=1.5", "ppo.gamma=1.5 is not allowed: a number in (0, 1]"),
+    ("ppo.temperature_min=2.0", "ppo.temperature_min=2.0 is not allowed"),
+])
+def test_bad_values_fail_naming_key_value_and_rule(override, message):
+    with pytest.raises(ConfigError) as err:
+        compose_train([override])
+    assert message in str(err.value)
+
+
+def test_unknown_keys_and_wrong_types_fail_at_composition():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError), match="lr_typo"):
+        compose_train(["ppo.lr_typo=1"])
+    with pytest.raises((ConfigCompositionException, ValidationError), match="num_envs"):
+        compose_train(["env.num_envs=many"])
+    with pytest.raises(ConfigCompositionException, match="impossible"):
+        compose_train(["env=impossible"])
+
+
+def test_the_cli_prints_one_clear_line_for_a_bad_value(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "ppo.lr_lm=-1", f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=CONF_DIR.parent, timeout=120)
+    assert out.returncode != 0
+    assert "error: ppo.lr_lm=-1.0 is not allowed: a number > 0" in out.stderr
+    assert "Traceback" not in out.stderr
