@@ -82,6 +82,7 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
     )
     if resume_state is None:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # iteration 0: the untrained policy
+        module.train()  # validate() leaves the modules in eval mode
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(cfg.ckpt_path) if cfg.ckpt_path else None)
     if cfg.iterations % cfg.eval.every:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # always evaluate the final policy

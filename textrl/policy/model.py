@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ class ModelConfig:
     tokenizer_from: str | None = None  # for source=random: model config whose tokenizer to use
     architecture: dict[str, Any] = field(default_factory=dict)  # for source=random: a transformers config
     init_seed: int = 0  # for source=random
+    trainable_layers: Optional[int] = None  # train only the top N transformer blocks (+ final norm); None: all
     value_hidden: int = 128  # width of the value head's hidden layer
     detach_value: bool = True  # value head reads detached hidden states (see the blog's lessons)
 
@@ -233,9 +234,26 @@ class PolicyValueModel(nn.Module):
         return self.value_head(hidden.detach() if self.detach_value else hidden).float()
 
 
+def freeze_below_top_layers(lm: nn.Module, n: int) -> None:
+    """Freeze the embeddings and every transformer block but the top ``n``.
+
+    Backward then stops at the lowest trainable block: on a CPU, training the top 6 of SmolLM2's 30
+    blocks makes a forward+backward about 4x faster than training all of them.
+    """
+    blocks = max((m for m in lm.modules() if isinstance(m, nn.ModuleList)), key=len)
+    if not 0 < n <= len(blocks):
+        raise ValueError(f"model.trainable_layers={n} is not allowed: between 1 and {len(blocks)} for this model")
+    frozen = [lm.get_input_embeddings(), lm.get_output_embeddings(), *blocks[: len(blocks) - n]]
+    for module in frozen:
+        for param in module.parameters():
+            param.requires_grad_(False)
+
+
 def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | Path | None = None):
     """(PolicyValueModel, tokenizer) for a model config."""
     tokenizer = load_tokenizer(cfg, cache_dir)
     lm = load_lm(cfg, tokenizer, cache_dir)
+    if cfg.trainable_layers is not None:
+        freeze_below_top_layers(lm, cfg.trainable_layers)
     policy = PolicyValueModel(lm, cfg.value_hidden, -step_penalty, cfg.detach_value)
     return policy, tokenizer

@@ -9,6 +9,7 @@ refuses them on the Trainer under manual optimization) and the LR schedule steps
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import resource
@@ -89,9 +90,12 @@ class PPOModule(L.LightningModule):
     def play(self, games: list[Path], greedy: bool) -> list[Episode]:
         envs = [TextGame(g, self.max_steps, self.cfg.env.step_penalty, self.cfg.env.win_bonus,
                          self.cfg.env.history_len) for g in games]
+        # the same autocast as the update (bf16-mixed etc.), so rollout and update compute one function
+        precision = self._trainer.precision_plugin.forward_context() if self._trainer else contextlib.nullcontext()
         try:
-            episodes, stats = play(envs, self.decoder, self.prompts, temperature=self.temperature,
-                                   greedy=greedy, generator=self.sampler)
+            with precision:
+                episodes, stats = play(envs, self.decoder, self.prompts, temperature=self.temperature,
+                                       greedy=greedy, generator=self.sampler)
         finally:
             for env in envs:
                 env.close()

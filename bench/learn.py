@@ -1,0 +1,63 @@
+"""Learning benchmark: train with a config (the default one unless overridden) and record how the
+held-out evaluation changed.
+
+    python bench/learn.py                                  # the default CPU configuration
+    python bench/learn.py --out bench/results/x.json -- env=medium iterations=10
+
+Writes eval win rate / episode length at the start (iteration 0, untrained) and the end, the wall
+minutes, iterations, the exact command and the composed config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import textrl.cli.train as cli
+from textrl.config import CONF_DIR
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/learn_cpu.json")
+    ap.add_argument("--run-dir", default="outputs/bench_learn")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    args = ap.parse_args(argv)
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[f"output_dir={args.run_dir}", *args.overrides])
+    start = time.perf_counter()
+    result = cli.train(cfg)
+    minutes = (time.perf_counter() - start) / 60
+
+    with open(Path(result["run_dir"]) / "logs" / "metrics.csv") as f:
+        evals = [r for r in csv.DictReader(f) if r.get("eval/win_rate")]
+    first, last = evals[0], evals[-1]
+    out = {
+        "eval_win_rate_start": float(first["eval/win_rate"]),
+        "eval_win_rate_end": float(last["eval/win_rate"]),
+        "eval_episode_len_start": float(first["eval/episode_len"]),
+        "eval_episode_len_end": float(last["eval/episode_len"]),
+        "eval_curve": [[int(float(r["iteration"])), float(r["eval/win_rate"]), float(r["eval/episode_len"])]
+                       for r in evals],
+        "minutes": round(minutes, 1),
+        "iterations": int(float(last["iteration"])),
+        "eval_games": cfg.eval.games,
+        "targets": {"eval_win_rate_end": 0.9, "eval_episode_len_end": 1.5, "minutes": 30},
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "config": OmegaConf.to_container(cfg, resolve=False),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k != "config"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
