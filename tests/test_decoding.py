@@ -123,3 +123,21 @@ def test_greedy_takes_the_most_likely_token_and_scores_sum_to_one(tiny, prompts,
     assert set(probs) == set(obs.admissible_commands)
     assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
     assert probs[action.command] == pytest.approx(float(torch.tensor(action.logprob).exp()), abs=1e-5)
+
+
+@pytest.mark.parametrize("name, layers", [("gpt2", {"n_layer": 2}), ("qwen", {"num_hidden_layers": 2})])
+def test_gpt2_and_qwen_architectures_decode_exactly(name, layers, easy_games):
+    """Their code paths (GPT-2: learned absolute positions; Qwen2: GQA + RoPE) with random weights."""
+    from textrl.config import load_model_config
+    from textrl.games.prompt import PromptBuilder
+    from textrl.policy.model import build_policy
+
+    policy, tokenizer = build_policy(load_model_config(name, source="random", architecture=layers))
+    policy.eval()
+    assert policy.lm.config.model_type == {"gpt2": "gpt2", "qwen": "qwen2"}[name]
+    prompts = PromptBuilder(tokenizer)
+    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    episodes, stats = play([TextGame(p, 3) for p in easy_games[:3]], decoder, prompts, temperature=1.0,
+                           generator=torch.Generator().manual_seed(0))
+    assert all(s.action.command in s.observation.admissible_commands for e in episodes for s in e.steps)
+    assert assert_matches_fresh_forward(policy, episodes, 1.0) == stats.decisions > 0

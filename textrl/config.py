@@ -64,7 +64,14 @@ class PPOConfig:
 @dataclass
 class MemoryConfig:
     name: str = "none"
-    precision: str = "32-true"  # Lightning precision plugin
+    precision: str = "32-true"  # Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA only)
+    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes, for the LM parameters)
+    grad_ckpt: bool = False  # the model's gradient checkpointing (non-reentrant) during updates
+    lora: bool = False  # PEFT LoRA adapters on the LM; the value head is trained fully
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_targets: Optional[list[str]] = None  # None: the model family's default (textrl.policy.memory)
+    quantize_4bit: bool = False  # QLoRA: 4-bit base weights via bitsandbytes (CUDA only)
 
 
 @dataclass
@@ -154,7 +161,26 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check("model.source", cfg.model.source, cfg.model.source in {"hub", "gguf", "random"},
            "one of ['hub', 'gguf', 'random']")
     _check("model.value_hidden", cfg.model.value_hidden, cfg.model.value_hidden >= 1, "an integer >= 1")
+    m = cfg.memory
+    _check("memory.precision", m.precision, m.precision in {"32-true", "bf16-mixed", "16-mixed"},
+           "one of ['32-true', 'bf16-mixed', '16-mixed']")
+    _check("memory.optimizer", m.optimizer, m.optimizer in {"adamw", "adamw8bit"}, "one of ['adamw', 'adamw8bit']")
+    _check("memory.lora_r", m.lora_r, m.lora_r >= 1, "an integer >= 1")
+    _check("memory.quantize_4bit", m.quantize_4bit, not m.quantize_4bit or m.lora,
+           "4-bit base weights are frozen: use it with memory.lora=true (memory=qlora)")
+    _check("model.trainable_layers", cfg.model.trainable_layers, cfg.model.trainable_layers is None or not m.lora,
+           "null with LoRA (LoRA already freezes the base model): set model.trainable_layers=null")
+    cuda = cfg.trainer.accelerator in {"auto", "gpu", "cuda"} and _cuda_available()
+    for key, needs in [("precision", m.precision == "16-mixed"), ("quantize_4bit", m.quantize_4bit)]:
+        _check(f"memory.{key}", getattr(m, key), not needs or cuda,
+               "needs a CUDA GPU and none is available; on a CPU use memory=bf16 (or memory.precision=bf16-mixed)")
     return cfg
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:

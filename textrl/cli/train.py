@@ -62,7 +62,7 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir)
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
     module = PPOModule(cfg, policy, tokenizer)
     datamodule = RolloutDataModule(cfg)
     checkpoints = run_dir / "checkpoints"

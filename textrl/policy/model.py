@@ -41,6 +41,7 @@ class ModelConfig:
     tokenizer_from: str | None = None  # for source=random: model config whose tokenizer to use
     architecture: dict[str, Any] = field(default_factory=dict)  # for source=random: a transformers config
     init_seed: int = 0  # for source=random
+    attn_implementation: Optional[str] = None  # None: sdpa, or flash_attention_2 where installed (GPU)
     trainable_layers: Optional[int] = None  # train only the top N transformer blocks (+ final norm); None: all
     value_hidden: int = 128  # width of the value head's hidden layer
     detach_value: bool = True  # value head reads detached hidden states (see the blog's lessons)
@@ -163,22 +164,34 @@ def _not_found(cfg: ModelConfig, location: str, exc: Exception) -> ModelNotFound
         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
 
-def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None) -> nn.Module:
+def attn_implementation(cfg: ModelConfig) -> str:
+    """Scaled-dot-product attention, or flash attention 2 where it is installed and a GPU is present."""
+    if cfg.attn_implementation:
+        return cfg.attn_implementation
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None, quantization=None) -> nn.Module:
     """The causal LM in fp32 (mixed precision is applied at run time, never to the master weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation(cfg)}
+    if quantization is not None:
+        kwargs.update(quantization_config=quantization, dtype=torch.bfloat16)
     if cfg.source == "random":
-        arch = dict(cfg.architecture)
-        model_type = arch.pop("model_type")
-        config = AutoConfig.for_model(
-            model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **arch)
+        arch = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+                "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                **cfg.architecture}  # an architecture may keep its own (larger) vocabulary
+        config = AutoConfig.for_model(arch.pop("model_type"), **arch)
+        config._attn_implementation = kwargs["attn_implementation"]
         with torch.random.fork_rng():
             torch.manual_seed(cfg.init_seed)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if cfg.source == "gguf":
-        return AutoModelForCausalLM.from_pretrained(str(_converted_gguf(cfg, cache_dir)), dtype=torch.float32)
-    return _from_pretrained(AutoModelForCausalLM, cfg, _hub_location(cfg), dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(str(_converted_gguf(cfg, cache_dir)), **kwargs)
+    return _from_pretrained(AutoModelForCausalLM, cfg, _hub_location(cfg), **kwargs)
 
 
 class ValueHead(nn.Module):
@@ -249,11 +262,15 @@ def freeze_below_top_layers(lm: nn.Module, n: int) -> None:
             param.requires_grad_(False)
 
 
-def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | Path | None = None):
-    """(PolicyValueModel, tokenizer) for a model config."""
+def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | Path | None = None, memory=None):
+    """(PolicyValueModel, tokenizer) for a model config, with the memory options applied."""
+    from textrl.policy.memory import apply_memory, quantization_config
+
     tokenizer = load_tokenizer(cfg, cache_dir)
-    lm = load_lm(cfg, tokenizer, cache_dir)
+    lm = load_lm(cfg, tokenizer, cache_dir, quantization_config(memory) if memory is not None else None)
     if cfg.trainable_layers is not None:
         freeze_below_top_layers(lm, cfg.trainable_layers)
+    if memory is not None:
+        lm = apply_memory(lm, memory)
     policy = PolicyValueModel(lm, cfg.value_hidden, -step_penalty, cfg.detach_value)
     return policy, tokenizer

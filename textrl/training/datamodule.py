@@ -56,6 +56,7 @@ class RolloutDataset(IterableDataset):
         values = torch.tensor([v for s in sequences for v in s.old_values])
         returns = torch.tensor([r for s in sequences for r in s.returns])
         stats = module._last_play
+        module.rollout_episodes = float(len(episodes))
         module.rollout_metrics = {
             **episode_metrics(episodes, "rollout"),
             "rollout/decisions_per_s": stats.decisions_per_s,
@@ -64,6 +65,7 @@ class RolloutDataset(IterableDataset):
             "value/explained_variance": explained_variance(values, returns),
             "value/corr": correlation(values, returns),
         }
+        sequences = dm.equalize_across_ranks(sequences)
         batches = list(minibatches(sequences, cfg.ppo.minibatch_size, cfg.ppo.epochs, iteration_rng(cfg.seed, iteration)))
         for i, batch in enumerate(batches):
             yield Minibatch(batch, first=i == 0, last=i == len(batches) - 1)
@@ -89,16 +91,37 @@ class RolloutDataModule(L.LightningDataModule):
         if not self.train_games:
             self.train_games, self.eval_games = self._pool_games()
 
+    @property
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
     def games_for_iteration(self, iteration: int) -> list[Path]:
+        """This rank's share of the iteration's ``env.num_envs`` training games."""
         n = self.cfg.env.num_envs
-        if self.cfg.env.repeatable:
-            return self.train_games[:n]
-        return iteration_rng(self.cfg.seed, iteration).sample(self.train_games, n)
+        games = self.train_games[:n] if self.cfg.env.repeatable else \
+            iteration_rng(self.cfg.seed, iteration).sample(self.train_games, n)
+        rank, world = self._rank_world
+        return games[rank::world]
+
+    def equalize_across_ranks(self, sequences: list[Sequence]) -> list[Sequence]:
+        """DDP needs the same number of backward passes on every rank: a rank with fewer sequences
+        repeats some of its own (in order) up to the largest count."""
+        rank, world = self._rank_world
+        if world == 1 or not sequences:
+            return sequences
+        import torch.distributed as dist
+
+        count = torch.tensor(len(sequences), device=self.trainer.strategy.root_device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return [sequences[i % len(sequences)] for i in range(int(count))]
 
     def train_dataloader(self):
         return DataLoader(RolloutDataset(self), batch_size=None, collate_fn=_as_is)
 
     def val_dataloader(self):
+        rank, world = self._rank_world
+        games = self.eval_games[rank::world]  # ranks split the evaluation games without overlap
         b = self.cfg.eval.batch
-        chunks = [self.eval_games[i: i + b] for i in range(0, len(self.eval_games), b)]
+        chunks = [games[i: i + b] for i in range(0, len(games), b)]
         return DataLoader(chunks, batch_size=None, collate_fn=_as_is)

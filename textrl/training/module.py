@@ -19,12 +19,14 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from omegaconf import OmegaConf
 
 from textrl.config import TrainConfig
 from textrl.games.env import TextGame
 from textrl.games.pool import DIFFICULTIES
 from textrl.games.prompt import PromptBuilder, observation_text
 from textrl.policy.decoding import ConstrainedDecoder
+from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.ppo.buffer import Sequence
 from textrl.ppo.losses import ppo_loss
@@ -70,6 +72,8 @@ class PPOModule(L.LightningModule):
     def __init__(self, cfg: TrainConfig, policy: PolicyValueModel, tokenizer):
         super().__init__()
         self.automatic_optimization = False
+        self.strict_loading = not cfg.memory.lora  # LoRA checkpoints leave out the frozen base weights
+        self.rollout_episodes = 0.0
         self.cfg = cfg
         self.policy = policy
         disable_dropout(policy.lm)
@@ -92,11 +96,14 @@ class PPOModule(L.LightningModule):
                          self.cfg.env.history_len) for g in games]
         # the same autocast as the update (bf16-mixed etc.), so rollout and update compute one function
         precision = self._trainer.precision_plugin.forward_context() if self._trainer else contextlib.nullcontext()
+        was_training = self.policy.training
+        self.policy.eval()  # gradient checkpointing (train mode only) would switch the KV cache off
         try:
             with precision:
                 episodes, stats = play(envs, self.decoder, self.prompts, temperature=self.temperature,
                                        greedy=greedy, generator=self.sampler)
         finally:
+            self.policy.train(was_training)
             for env in envs:
                 env.close()
             self.decoder.reset()  # free the KV cache between rollouts
@@ -106,11 +113,9 @@ class PPOModule(L.LightningModule):
     # ---- update ---------------------------------------------------------------------------
     def configure_optimizers(self):
         p = self.cfg.ppo
-        groups = [
-            {"params": [q for q in self.policy.lm.parameters() if q.requires_grad], "lr": p.lr_lm, "name": "lm"},
-            {"params": list(self.policy.value_head.parameters()), "lr": p.lr_value, "name": "value"},
-        ]
-        optimizer = torch.optim.AdamW(groups, weight_decay=p.weight_decay)
+        optimizer = make_optimizer([q for q in self.policy.lm.parameters() if q.requires_grad],
+                                   list(self.policy.value_head.parameters()), self.cfg.memory,
+                                   p.lr_lm, p.lr_value, p.weight_decay)
         total, floor = self.cfg.iterations, p.lr_lm_min / p.lr_lm
 
         def cosine(it: int) -> float:  # LM: cosine from lr_lm to lr_lm_min over the run
@@ -160,7 +165,11 @@ class PPOModule(L.LightningModule):
         if self._micro % p.grad_accum == 0 or batch.last:
             optimizer = self.optimizers()
             params = [q for group in optimizer.param_groups for q in group["params"]]
-            norm = torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm)
+            # fp16: gradients are still multiplied by the loss scale here (the precision plugin
+            # unscales inside step()); clipping the scaled norm at max_norm * scale is the same clip
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+            scale = float(scaler.get_scale()) if scaler is not None else 1.0
+            norm = torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm * scale) / scale
             self._stats["grad_norm"].append(float(norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -181,7 +190,8 @@ class PPOModule(L.LightningModule):
             "perf/update_s": update_s, "perf/tokens_per_s": self._update_tokens / max(update_s, 1e-9),
             "perf/peak_mem_gb": peak_memory_gb(self.device), "iteration": float(self.current_epoch + 1),
         })
-        self.log_dict(metrics, on_epoch=True, sync_dist=True)
+        self.log_dict(metrics, on_epoch=True, sync_dist=True)  # means over ranks
+        self.log("rollout/episodes", self.rollout_episodes, on_epoch=True, sync_dist=True, reduce_fx="sum")
         self._stats.clear()
         self._update_tokens = 0
         scheduler.step()
@@ -201,6 +211,7 @@ class PPOModule(L.LightningModule):
         metrics = episode_metrics(episodes, "eval")
         metrics["iteration"] = float(iteration)
         self.log_dict(metrics, on_epoch=True, sync_dist=True)
+        self.log("eval/games", float(len(episodes)), on_epoch=True, sync_dist=True, reduce_fx="sum")
         if self.cfg.eval.transcripts and self.trainer.is_global_zero:
             path = Path(self.cfg.output_dir) / "transcripts" / f"iter_{iteration:04d}.md"
             write_transcripts(episodes[: self.cfg.eval.transcripts], path,
@@ -209,7 +220,11 @@ class PPOModule(L.LightningModule):
 
     # ---- checkpoint state beyond weights/optimizer/scheduler ----------------------------------
     def on_save_checkpoint(self, checkpoint):
+        if self.cfg.memory.lora:  # adapters + value head only: the frozen base comes from the model config
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
+                                        if "lora_" in k or k.startswith("policy.value_head.")}
         checkpoint.setdefault("textrl", {}).update({
+            "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
             "temperature": self.temperature,
             "sampler": self.sampler.get_state(),
             "torch_rng": torch.get_rng_state(),
