@@ -22,7 +22,7 @@ from textrl.config import load_model_config
 from textrl.games.env import TextGame
 from textrl.games.pool import DIFFICULTIES, GamePool
 from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import Action, ConstrainedDecoder, Decision, masked_logprobs
+from textrl.policy.decoding import ConstrainedDecoder, Cursor, check_temperature, choose
 from textrl.policy.model import PolicyValueModel, build_policy
 from textrl.rollout import play
 
@@ -39,18 +39,11 @@ class NaiveDecoder:
 
     @torch.no_grad()
     def act(self, slots, prompts, tries, temperature=1.0, greedy=False, generator=None):
-        temperature = 1.0 if greedy else temperature
-        n = len(prompts)
-        seqs = [list(p) for p in prompts]
-        nodes, out_ids, decisions, done = [], [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
-        for r, trie in enumerate(tries):
-            forced, node = trie.advance(trie.root)
-            out_ids[r] += forced
-            nodes.append(node)
-            done[r] = node.command is not None
-            seqs[r] += [] if done[r] else forced
-        while not all(done):
-            live = [r for r in range(n) if not done[r]]
+        temperature = check_temperature(temperature, greedy)
+        cursors = [Cursor(trie) for trie in tries]
+        seqs = [list(p) + c.new for p, c in zip(prompts, cursors)]
+        while not all(c.done for c in cursors):
+            live = [r for r, c in enumerate(cursors) if not c.done]
             width = max(len(seqs[r]) for r in live)
             ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -60,26 +53,11 @@ class NaiveDecoder:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             out = self.policy.lm(input_ids=ids, attention_mask=mask, position_ids=positions,
                                  output_hidden_states=True, logits_to_keep=0)  # all positions, as the seed
-            last = out.hidden_states[-1][:, -1]
-            logits = out.logits[:, -1].float()
-            values = self.policy.value(last)
-            allowed = torch.zeros_like(logits, dtype=torch.bool)
-            for i, r in enumerate(live):
-                allowed[i, list(nodes[r].children)] = True
-            logp = masked_logprobs(logits, allowed, temperature)
-            chosen = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-            for i, r in enumerate(live):
-                token = int(chosen[i])
-                decisions[r].append(Decision(len(out_ids[r]), sorted(nodes[r].children), token,
-                                             float(logp[i, token]), float(values[i])))
-                out_ids[r].append(token)
-                forced, node = tries[r].advance(nodes[r].children[token]) if token != tries[r].end_id \
-                    else ([], nodes[r].children[token])
-                out_ids[r] += forced
-                nodes[r] = node
-                done[r] = node.command is not None
-                seqs[r] += [token] + forced
-        return [Action(nodes[r].command, out_ids[r], decisions[r], temperature) for r in range(n)]
+            choose(self.policy, out.hidden_states[-1][:, -1], [cursors[r] for r in live], temperature, greedy,
+                   generator)
+            for r in live:
+                seqs[r] += cursors[r].new
+        return [c.action(temperature) for c in cursors]
 
 
 def main(argv=None):

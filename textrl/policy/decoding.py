@@ -112,11 +112,8 @@ class ConstrainedDecoder:
     @torch.no_grad()
     def act(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie], temperature: float = 1.0,
             greedy: bool = False, generator: torch.Generator | None = None) -> list[Action]:
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
-        temperature = 1.0 if greedy else float(temperature)
+        temperature = check_temperature(temperature, greedy)
         self._select(slots)
-        n = len(slots)
         pending: list[list[int]] = []
         for r, prompt in enumerate(prompts):
             fed = self.fed[r]
@@ -126,39 +123,66 @@ class ConstrainedDecoder:
                 self.mask[r] = 0
                 self.fed[r] = []
                 pending.append(list(prompt))
-        nodes, out_ids, decisions, done = [], [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
-        for r, trie in enumerate(tries):
-            forced, node = trie.advance(trie.root)
-            out_ids[r] += forced
-            nodes.append(node)
-            done[r] = node.command is not None
-            pending[r] += [] if done[r] else forced
-        while not all(done):
-            live = [r for r in range(n) if not done[r]]
-            last = self._feed([pending[r] if not done[r] else [] for r in range(n)])[live]
-            logits = self.policy.logits(last)
-            values = self.policy.value(last)
-            allowed = torch.zeros_like(logits, dtype=torch.bool)
-            for i, r in enumerate(live):
-                allowed[i, list(nodes[r].children)] = True
-            logp = masked_logprobs(logits, allowed, temperature)
-            if greedy:
-                chosen = logp.argmax(dim=-1)
-            else:
-                chosen = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-            chosen_logp = logp.gather(1, chosen[:, None]).squeeze(-1)
-            for i, r in enumerate(live):
-                token = int(chosen[i])
-                decisions[r].append(Decision(len(out_ids[r]), sorted(nodes[r].children), token,
-                                             float(chosen_logp[i]), float(values[i])))
-                out_ids[r].append(token)
-                node = nodes[r].children[token]
-                forced, node = tries[r].advance(node) if token != tries[r].end_id else ([], node)
-                out_ids[r] += forced
-                nodes[r] = node
-                done[r] = node.command is not None
-                pending[r] = [token] + forced
-        return [Action(nodes[r].command, out_ids[r], decisions[r], temperature) for r in range(n)]
+        cursors = [Cursor(trie) for trie in tries]
+        for r, cursor in enumerate(cursors):
+            pending[r] += cursor.new
+        while not all(c.done for c in cursors):
+            live = [r for r, c in enumerate(cursors) if not c.done]
+            last = self._feed([pending[r] if not c.done else [] for r, c in enumerate(cursors)])[live]
+            choose(self.policy, last, [cursors[r] for r in live], temperature, greedy, generator)
+            for r in live:
+                pending[r] = cursors[r].new
+        return [c.action(temperature) for c in cursors]
+
+
+def check_temperature(temperature: float, greedy: bool) -> float:
+    """The temperature the log-probs are recorded at: T for sampling, 1 for greedy."""
+    if greedy:
+        return 1.0
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    return float(temperature)
+
+
+class Cursor:
+    """One row's walk down its command trie: the tokens so far, the decisions, what to feed next."""
+
+    def __init__(self, trie: CommandTrie):
+        self.trie = trie
+        forced, self.node = trie.advance(trie.root)
+        self.ids = list(forced)
+        self.decisions: list[Decision] = []
+        self.new = [] if self.done else forced  # tokens the model has not seen yet
+
+    @property
+    def done(self) -> bool:
+        return self.node.command is not None
+
+    def choose(self, token: int, logprob: float, value: float) -> None:
+        self.decisions.append(Decision(len(self.ids), sorted(self.node.children), token, logprob, value))
+        self.ids.append(token)
+        node = self.node.children[token]
+        forced, self.node = self.trie.advance(node) if token != self.trie.end_id else ([], node)
+        self.ids += forced
+        self.new = [token] + forced
+
+    def action(self, temperature: float) -> Action:
+        return Action(self.node.command, self.ids, self.decisions, temperature)
+
+
+def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], temperature: float, greedy: bool,
+           generator: torch.Generator | None) -> None:
+    """Sample (or take the argmax of) each cursor's fork from the hidden states ``last`` and advance it."""
+    logits = policy.logits(last)
+    values = policy.value(last)
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    for i, cursor in enumerate(cursors):
+        allowed[i, list(cursor.node.children)] = True
+    logp = masked_logprobs(logits, allowed, temperature)
+    chosen = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    chosen_logp = logp.gather(1, chosen[:, None]).squeeze(-1)
+    for i, cursor in enumerate(cursors):
+        cursor.choose(int(chosen[i]), float(chosen_logp[i]), float(values[i]))
 
 
 @torch.no_grad()
