@@ -6,12 +6,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
-from pathlib import Path
 
+from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.games.pool import DIFFICULTIES, GamePool
 
 
@@ -44,11 +42,8 @@ def main(argv=None):
         "generate_s": round(generate_s, 2),
         "load_from_cache_s": round(load_s, 4),
         "targets": {"generate_s": 60, "load_from_cache_s": 2},
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
+    write_result(args.out, out, argv)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import textrl.cli.train as cli
+from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import CONF_DIR
 
 
@@ -51,12 +50,9 @@ def main(argv=None):
         "iterations": int(float(last["iteration"])),
         "eval_games": cfg.eval.games,
         "targets": {"eval_win_rate_end": 0.9, "eval_episode_len_end": 1.5, "minutes": 30},
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "config": OmegaConf.to_container(cfg, resolve=False),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in out.items() if k != "config"}, indent=2))
+    write_result(args.out, out, argv, show={k: v for k, v in out.items() if k != "config"})
 
 
 if __name__ == "__main__":

@@ -162,10 +162,8 @@ def main(argv=None):
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})",
         "measure": "peak allocated CUDA memory" if torch.cuda.is_available() else "peak process RSS",
         "seq_len": args.seq_len, "batch": args.batch, "results": results,
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report, argv)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,11 @@ only the decoder differs.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import sys
-from pathlib import Path
 
 import torch
 
+from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import load_model_config
 from textrl.games.env import TextGame
 from textrl.games.pool import DIFFICULTIES, GamePool
@@ -103,11 +101,8 @@ def main(argv=None):
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
+    write_result(args.out, out, argv)
 
 
 if __name__ == "__main__":

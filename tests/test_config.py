@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -11,6 +12,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 import textrl.cli.train  # noqa: F401  (registers the schemas)
 from textrl.config import CONF_DIR, ConfigError, TrainConfig, to_train_config
 
+CUDA_ONLY = {"fp16", "lowmem", "qlora"}
 GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment"]
 
 
@@ -35,6 +37,11 @@ def test_every_option_of_every_group_composes(group):
     found = options(group)
     assert found or group == "experiment"
     for option in found:
+        if group == "memory" and option in CUDA_ONLY and not torch.cuda.is_available():
+            # On a CPU machine these must refuse at start, pointing at the CPU alternative.
+            with pytest.raises(ConfigError, match="needs a CUDA GPU and none is available; on a CPU use memory="):
+                compose_train([f"{group}={option}"])
+            continue
         cfg = compose_train([f"{group}={option}"])
         if group == "env":
             assert cfg.env.difficulty == option

@@ -63,9 +63,10 @@ def test_gpu_only_options_fail_at_start_on_a_cpu(tmp_path, memory, key):
         config(tmp_path, f"memory={memory}", "model.trainable_layers=null")
 
 
-def test_lora_with_partial_block_training_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="model.trainable_layers"):
-        config(tmp_path, "memory=lora", "model=smollm2")
+def test_lora_turns_off_partial_block_training_and_refuses_it_when_asked(tmp_path):
+    assert config(tmp_path, "memory=lora", "model=smollm2").model.trainable_layers is None
+    with pytest.raises(ConfigError, match="model.trainable_layers=4 is not allowed"):
+        config(tmp_path, "memory=lora", "model=smollm2", "model.trainable_layers=4")
 
 
 def test_lora_checkpoint_merges_for_export(tmp_path):

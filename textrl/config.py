@@ -171,9 +171,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check("model.trainable_layers", cfg.model.trainable_layers, cfg.model.trainable_layers is None or not m.lora,
            "null with LoRA (LoRA already freezes the base model): set model.trainable_layers=null")
     cuda = cfg.trainer.accelerator in {"auto", "gpu", "cuda"} and _cuda_available()
-    for key, needs in [("precision", m.precision == "16-mixed"), ("quantize_4bit", m.quantize_4bit)]:
+    for key, needs, cpu_choice in [
+        ("precision", m.precision == "16-mixed", "memory=bf16 (or memory.precision=bf16-mixed)"),
+        ("quantize_4bit", m.quantize_4bit, "memory=lora (bitsandbytes 4-bit kernels are CUDA-only)"),
+    ]:
         _check(f"memory.{key}", getattr(m, key), not needs or cuda,
-               "needs a CUDA GPU and none is available; on a CPU use memory=bf16 (or memory.precision=bf16-mixed)")
+               f"needs a CUDA GPU and none is available; on a CPU use {cpu_choice}")
     return cfg
 
 
