@@ -21,7 +21,8 @@ import platform
 import resource
 import subprocess
 import sys
-from pathlib import Path
+
+from result import write_result  # bench/result.py (the script directory is on sys.path)
 
 ARCHS = ["smollm2", "gpt2", "qwen"]
 OPTIONS = ["none", "adam8bit", "bf16", "grad_ckpt", "lora", "lowmem", "fp16", "qlora"]
@@ -58,17 +59,15 @@ def measure(arch: str, option: str, seq_len: int, batch: int) -> dict:
     import gc
 
     import torch
-    from omegaconf import OmegaConf
 
-    from textrl.config import TrainConfig, load_model_config, validate
+    from textrl.config import TrainConfig, load_memory_config, load_model_config, validate
     from textrl.policy.memory import make_optimizer
     from textrl.policy.model import build_policy
 
     cuda = torch.cuda.is_available()
     cfg = TrainConfig(output_dir="unused")
     cfg.model = load_model_config(arch, source="random", trainable_layers=None)
-    memory = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "memory" / f"{option}.yaml")
-    cfg.memory = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(type(cfg.memory)), memory))
+    cfg.memory = load_memory_config(option)
     if not cuda and cfg.memory.precision == "16-mixed" and option == "lowmem":
         cfg.memory.precision = "bf16-mixed"  # the seed's combination without fp16, as on any CPU
     try:

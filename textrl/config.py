@@ -209,3 +209,12 @@ def load_model_config(name: str, **overrides) -> ModelConfig:
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), data, overrides)
     return OmegaConf.to_object(merged)
 
+
+
+def load_memory_config(name: str) -> MemoryConfig:
+    """A ``memory`` group option as a MemoryConfig (lora/qlora are global-package files whose
+    ``memory:`` block is the option; their ``model:`` block is left to the caller)."""
+    data = OmegaConf.load(_group_file("memory", name))
+    if "memory" in data:
+        data = data.memory
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MemoryConfig), data))

@@ -3,19 +3,22 @@
 Each turn, the prompts of the environments still playing are built, their admissible commands
 become tries, and one ``decoder.act`` call picks a command for each; the environments step and the
 finished ones leave the batch. Used for training rollouts (sampling at temperature T) and for
-evaluation (greedy).
+evaluation (greedy); ``play_uniform`` is the random-policy baseline.
 """
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from textrl.games.env import Observation, TextGame
 from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import Action
+from textrl.policy.decoding import Action, Decision
 from textrl.policy.trie import CommandTrie
 
 
@@ -58,8 +61,43 @@ class RolloutStats:
 
 def play(envs: list[TextGame], decoder, prompts: PromptBuilder, temperature: float = 1.0, greedy: bool = False,
          generator: torch.Generator | None = None) -> tuple[list[Episode], RolloutStats]:
-    start = time.perf_counter()
+    """Every environment plays one episode with the model behind ``decoder``."""
     decoder.reset()
+
+    def act(live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
+        prompt_ids = [prompts.build(o, envs[i].history) for i, o in zip(live, obs)]
+        tries = [CommandTrie(o.admissible_commands, prompts.encode_command, prompts.end_id) for o in obs]
+        actions = decoder.act(live, prompt_ids, tries, temperature=temperature, greedy=greedy, generator=generator)
+        return list(zip(prompt_ids, actions))
+
+    return run_episodes(envs, act)
+
+
+def play_uniform(envs: list[TextGame], seed: int = 0) -> tuple[list[Episode], RolloutStats]:
+    """The random-policy baseline: a uniformly random admissible command every turn.
+
+    Each game draws from its own generator, seeded by ``seed`` and the game's seed, so a game is
+    played the same way whatever batch it is in. The action is one decision over the commands (not
+    tokens), with log-prob -log(number of commands), so transcripts and metrics treat it like a model's.
+    """
+    rngs = [random.Random(f"{seed}/{Path(env.game_file).parent.name}") for env in envs]
+
+    def act(live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
+        chosen = []
+        for i, o in zip(live, obs):
+            n = len(o.admissible_commands)
+            k = rngs[i].randrange(n)
+            decision = Decision(index=0, allowed=list(range(n)), token=k, logprob=-math.log(n), value=0.0)
+            chosen.append(([], Action(o.admissible_commands[k], [], [decision], temperature=1.0)))
+        return chosen
+
+    return run_episodes(envs, act)
+
+
+def run_episodes(envs: list[TextGame], act) -> tuple[list[Episode], RolloutStats]:
+    """The loop itself: reset all, then each turn ``act(live, observations)`` gives (prompt ids,
+    action) for the environments still playing; they step, and finished ones leave the batch."""
+    start = time.perf_counter()
     episodes = [Episode(game=str(env.game_file)) for env in envs]
     for env in envs:
         env.reset()
@@ -67,11 +105,8 @@ def play(envs: list[TextGame], decoder, prompts: PromptBuilder, temperature: flo
     decisions = turns = 0
     while live:
         obs = [envs[i].observation for i in live]
-        prompt_ids = [prompts.build(o, envs[i].history) for i, o in zip(live, obs)]
-        tries = [CommandTrie(o.admissible_commands, prompts.encode_command, prompts.end_id) for o in obs]
-        actions = decoder.act(live, prompt_ids, tries, temperature=temperature, greedy=greedy, generator=generator)
         still = []
-        for i, o, p, a in zip(live, obs, prompt_ids, actions):
+        for i, o, (p, a) in zip(live, obs, act(live, obs)):
             result = envs[i].step(a.command)
             episodes[i].steps.append(Step(o, p, a, result.reward, result.terminated, result.truncated,
                                           result.observation.feedback))
@@ -82,3 +117,12 @@ def play(envs: list[TextGame], decoder, prompts: PromptBuilder, temperature: flo
                 still.append(i)
         live = still
     return episodes, RolloutStats(time.perf_counter() - start, decisions, turns)
+
+
+def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    n = max(len(episodes), 1)
+    return {
+        f"{prefix}/win_rate": sum(e.won for e in episodes) / n,
+        f"{prefix}/episode_len": sum(e.length for e in episodes) / n,
+        f"{prefix}/return": sum(e.total_return for e in episodes) / n,
+    }

@@ -3,6 +3,7 @@
     textrl-play                              # you type the commands (easy, held-out game 0)
     textrl-play --difficulty medium --game 3
     textrl-play --model smollm2 --top 5      # the model plays; shows its 5 most likely commands
+    textrl-play --checkpoint outputs/<run>/checkpoints/best-10.ckpt   # a trained policy plays
 """
 
 from __future__ import annotations
@@ -10,9 +11,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from textrl.config import EnvConfig, load_model_config
 from textrl.games.env import InvalidCommandError, TextGame
 from textrl.games.pool import DIFFICULTIES, GamePool
 from textrl.games.prompt import PromptBuilder, observation_text
+from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
+from textrl.policy.decoding import ConstrainedDecoder, score_commands
+from textrl.policy.model import ModelNotFoundError, PolicyValueModel, build_policy
+from textrl.policy.trie import CommandTrie
 
 
 def _show(obs, step: int) -> None:
@@ -36,6 +42,19 @@ def _ask(obs, read) -> str | None:
         print(f"'{line}' is not admissible here; type one of the commands above or its number (quit to stop).")
 
 
+def _load_player(args) -> tuple[PolicyValueModel, PromptBuilder, EnvConfig]:
+    """The model that plays (untrained by config name, or from a checkpoint), its prompt builder and
+    environment settings (a checkpoint's own, so the policy sees what it was trained on)."""
+    if args.checkpoint:
+        policy, tokenizer, cfg = load_checkpoint_policy(args.checkpoint, "--checkpoint")
+        env = cfg.env
+    else:
+        policy, tokenizer = build_policy(load_model_config(args.model))
+        env = EnvConfig()
+    policy.eval()
+    return policy, PromptBuilder(tokenizer, args.max_prompt_tokens or env.max_prompt_tokens, env.list_commands), env
+
+
 def _read(prompt: str) -> str | None:
     try:
         return input(prompt)
@@ -46,36 +65,37 @@ def _read(prompt: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="textrl-play", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--difficulty", default="easy", choices=sorted(DIFFICULTIES))
+    ap.add_argument("--difficulty", choices=sorted(DIFFICULTIES), help="default: the checkpoint's, else easy")
     ap.add_argument("--split", default="eval", choices=["train", "eval"])
     ap.add_argument("--game", type=int, default=0, help="game index within the split")
     ap.add_argument("--game-file", help="play this compiled game (.z8) instead")
-    ap.add_argument("--model", help="a model config name (gpt2, qwen, smollm2, tiny): watch it play greedily")
+    player = ap.add_mutually_exclusive_group()
+    player.add_argument("--model", help="a model config name (gpt2, qwen, smollm2, tiny): watch it play greedily")
+    player.add_argument("--checkpoint", help="a training checkpoint: watch the trained policy play greedily "
+                                             "(its prompt settings are used)")
     ap.add_argument("--top", type=int, default=5, help="how many likely commands to show per step")
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the checkpoint's, else 1024")
     args = ap.parse_args(argv)
 
-    difficulty = DIFFICULTIES[args.difficulty]
+    policy, env_cfg = None, EnvConfig()
+    if args.model or args.checkpoint:
+        try:
+            policy, prompts, env_cfg = _load_player(args)
+        except (CheckpointError, ModelNotFoundError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}") from None
+        decoder = ConstrainedDecoder(policy, prompts.tokenizer.pad_token_id)
+
+    difficulty = DIFFICULTIES[args.difficulty or (env_cfg.difficulty if args.checkpoint else "easy")]
     path = args.game_file or GamePool(difficulty).games(args.split, 1, start=args.game)[0]
-    env = TextGame(path, difficulty.max_steps)
+    env = TextGame(path, env_cfg.max_steps or difficulty.max_steps, env_cfg.step_penalty, env_cfg.win_bonus,
+                   env_cfg.history_len)
     obs = env.reset()
     print(f"game: {path}")
-
-    if args.model:
-        from textrl.config import load_model_config
-        from textrl.policy.decoding import ConstrainedDecoder, score_commands
-        from textrl.policy.model import build_policy
-        from textrl.policy.trie import CommandTrie
-
-        policy, tokenizer = build_policy(load_model_config(args.model))
-        policy.eval()
-        prompts = PromptBuilder(tokenizer, max_prompt_tokens=args.max_prompt_tokens)
-        decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
 
     step, total = 0, 0.0
     while True:
         _show(obs, step)
-        if args.model:
+        if policy is not None:
             prompt = prompts.build(obs, env.history)
             trie = CommandTrie(obs.admissible_commands, prompts.encode_command, prompts.end_id)
             probs = score_commands(policy, prompt, trie)

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from textrl.config import CONF_DIR, ConfigError, TrainConfig, register_configs, to_train_config, validate
 from textrl.games.env import GameFileError
 from textrl.games.prompt import PromptTooLongError
+from textrl.policy.checkpoint import CheckpointError, read_checkpoint
 from textrl.policy.model import ModelNotFoundError, build_policy
 from textrl.training.callbacks import AtomicCheckpointIO, TemperatureSchedule
 from textrl.training.datamodule import RolloutDataModule
@@ -22,26 +23,6 @@ from textrl.training.module import PPOModule
 
 log = logging.getLogger(__name__)
 register_configs()
-
-
-class CheckpointError(ValueError):
-    pass
-
-
-def check_checkpoint(path: str) -> Path:
-    """Fail before any model is built if the checkpoint cannot be resumed from."""
-    ckpt = Path(path).expanduser()
-    if not ckpt.is_file():
-        raise CheckpointError(f"ckpt_path={path} does not exist; pass a file such as <run>/checkpoints/last.ckpt")
-    try:
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    except Exception as exc:
-        raise CheckpointError(f"ckpt_path={path} is not a readable checkpoint ({type(exc).__name__}: {exc}); "
-                              f"it may be truncated: use another one, e.g. the run's best-*.ckpt") from exc
-    missing = [k for k in ("state_dict", "optimizer_states", "textrl") if k not in state]
-    if missing:
-        raise CheckpointError(f"ckpt_path={path} is not a textrl training checkpoint (missing {missing})")
-    return ckpt
 
 
 def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> dict:
@@ -53,8 +34,9 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
     resume_state = None
     run_dir = Path(cfg.output_dir)
     if cfg.ckpt_path:
-        ckpt = check_checkpoint(cfg.ckpt_path)
-        resume_state = torch.load(ckpt, map_location="cpu", weights_only=False)["textrl"]
+        ckpt, state = read_checkpoint(cfg.ckpt_path)
+        resume_state = state["textrl"]
+        del state
         run_dir = ckpt.parent.parent  # continue the same run directory: logs, checkpoints, transcripts
         cfg.output_dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

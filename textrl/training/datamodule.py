@@ -21,7 +21,7 @@ from textrl.config import TrainConfig
 from textrl.games.pool import GamePool
 from textrl.ppo.buffer import Sequence, build_sequences, minibatches
 from textrl.ppo.losses import correlation, explained_variance
-from textrl.training.module import episode_metrics
+from textrl.rollout import episode_metrics
 
 
 @dataclass

@@ -24,13 +24,14 @@ from omegaconf import OmegaConf
 from textrl.config import TrainConfig
 from textrl.games.env import TextGame
 from textrl.games.pool import DIFFICULTIES
-from textrl.games.prompt import PromptBuilder, observation_text
+from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.ppo.buffer import Sequence
 from textrl.ppo.losses import ppo_loss
-from textrl.rollout import Episode, play
+from textrl.rollout import Episode, episode_metrics, play
+from textrl.transcripts import write_transcripts
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -42,30 +43,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for key in list(vars(config)) if config is not None else []:
         if ("dropout" in key or "pdrop" in key) and isinstance(getattr(config, key), float):
             setattr(config, key, 0.0)
-
-
-def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
-    n = max(len(episodes), 1)
-    return {
-        f"{prefix}/win_rate": sum(e.won for e in episodes) / n,
-        f"{prefix}/episode_len": sum(e.length for e in episodes) / n,
-        f"{prefix}/return": sum(e.total_return for e in episodes) / n,
-    }
-
-
-def write_transcripts(episodes: list[Episode], path: Path, title: str) -> None:
-    lines = [f"# {title}\n"]
-    for e in episodes:
-        outcome = "won" if e.won else "lost"
-        lines.append(f"## {Path(e.game).parent.name}: {outcome} in {e.length} steps, return {e.total_return:+.2f}\n")
-        lines.append(f"**Goal:** {e.steps[0].observation.objective}\n" if e.steps else "")
-        for i, s in enumerate(e.steps, 1):
-            quoted = "\n".join("> " + line for line in observation_text(s.observation).splitlines())
-            lines.append(f"**Step {i}**\n\n{quoted}\n")
-            lines.append(f"- command: `{s.action.command}` (p = {math.exp(s.action.logprob):.3f})")
-            lines.append(f"- reward: {s.reward:+.2f}\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
 
 
 class PPOModule(L.LightningModule):

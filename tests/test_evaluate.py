@@ -1,0 +1,80 @@
+"""textrl-eval and textrl-play on held-out games: a random policy and a trained tiny checkpoint."""
+
+import json
+import re
+
+import pytest
+
+import textrl.cli.train as cli
+from textrl.cli.evaluate import main, wilson_interval
+from textrl.cli.play import main as play_main
+from tests.test_training import config
+
+HEADER = re.compile(r"^## (\S+): (won|lost) in (\d+) steps, return ([-+]\d+\.\d+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")
+    return cli.train(config(run, "iterations=1"))["last"]
+
+
+def check_agreement(out):
+    """results.json is valid and its numbers agree with the transcripts, game by game."""
+    result = json.loads((out / "results.json").read_text())
+    games = HEADER.findall((out / "transcripts.md").read_text())
+    per_game = result["per_game"]
+    assert len(games) == len(per_game) == result["games"]
+    for (name, outcome, steps, ret), g in zip(games, per_game):
+        assert (name, outcome == "won", int(steps)) == (g["game"], g["won"], g["steps"])
+        assert float(ret) == pytest.approx(g["return"], abs=0.005)
+    n = len(per_game)
+    assert result["win_rate"]["mean"] == pytest.approx(sum(g["won"] for g in per_game) / n)
+    assert result["steps"]["mean"] == pytest.approx(sum(g["steps"] for g in per_game) / n)
+    assert result["return"]["mean"] == pytest.approx(sum(g["return"] for g in per_game) / n)
+    for key in ("win_rate", "steps", "return"):
+        lo, hi = result[key]["ci95"]
+        assert lo <= result[key]["mean"] <= hi
+    return result
+
+
+def test_random_policy(tmp_path, capsys):
+    assert main(["--random", "--games", "6", "--batch", "4", "--out", str(tmp_path)]) == 0
+    result = check_agreement(tmp_path)
+    assert result["policy"] == "random" and result["difficulty"] == "easy" and not result["greedy"]
+    assert all(g["steps"] <= 8 for g in result["per_game"])  # easy step limit
+    assert "win_rate:" in capsys.readouterr().out
+    # the same seed plays the same games the same way
+    assert main(["--random", "--games", "6", "--batch", "3", "--out", str(tmp_path / "again")]) == 0
+    assert json.loads((tmp_path / "again" / "results.json").read_text())["per_game"] == result["per_game"]
+
+
+def test_tiny_checkpoint(checkpoint, tmp_path):
+    assert main(["--checkpoint", checkpoint, "--games", "4", "--out", str(tmp_path)]) == 0
+    result = check_agreement(tmp_path)
+    assert result["policy"] == f"checkpoint:{checkpoint}" and result["greedy"]
+    text = (tmp_path / "transcripts.md").read_text()
+    assert text.count("- command: `") == sum(g["steps"] for g in result["per_game"])
+
+
+def test_wilson_interval_is_inside_0_1_and_covers_the_rate():
+    assert wilson_interval(0, 64)[0] == 0.0 and 0 < wilson_interval(0, 64)[1] < 0.1
+    lo, hi = wilson_interval(32, 64)
+    assert lo < 0.5 < hi and hi - lo == pytest.approx(0.24, abs=0.01)
+
+
+def test_bad_checkpoint_is_named(tmp_path):
+    bad = tmp_path / "half.ckpt"
+    bad.write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(SystemExit, match="checkpoint=.*half.ckpt is not a readable checkpoint"):
+        main(["--checkpoint", str(bad)])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["--checkpoint", str(tmp_path / "missing.ckpt")])
+
+
+def test_play_loads_a_checkpoint(checkpoint, capsys):
+    assert play_main(["--checkpoint", checkpoint, "--game", "1", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    steps = out.count("\n> ")
+    assert steps >= 1 and out.count("%  ") >= 2 * steps
+    assert "WON" in out or "out of steps" in out

@@ -1,0 +1,64 @@
+"""textrl-report on a real Hydra sweep that the test runs itself (2 seeds x 2 iterations, tiny model)."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from textrl.cli.report import main
+from tests.test_training import SMALL
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    cmd = [sys.executable, "train.py", "-m", "seed=1,2", "iterations=2", "eval.every=1", *SMALL,
+           f"hydra.sweep.dir={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def final_eval(run: Path, metric: str) -> float:
+    with open(run / "logs" / "metrics.csv") as f:
+        return [float(r[metric]) for r in csv.DictReader(f) if r.get(metric)][-1]
+
+
+def test_report_on_a_sweep_writes_table_json_and_png(sweep, tmp_path, capsys):
+    assert main([str(sweep), "--out", str(tmp_path)]) == 0
+    png = (tmp_path / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    result = json.loads((tmp_path / "report.json").read_text())
+    (group, row), = result["groups"].items()  # both seeds form one group: only the seed differs
+    assert sorted(row["seeds"]) == ["1", "2"] and row["iterations"] == [2, 2]
+    runs = sorted(sweep.glob("*_seed*"))
+    finals = [final_eval(r, "eval/win_rate") for r in runs]
+    assert sorted(row["final_win_rate"]["values"]) == sorted(finals)
+    assert row["final_win_rate"]["mean"] == pytest.approx(sum(finals) / 2)
+    lens = [final_eval(r, "eval/episode_len") for r in runs]
+    assert row["final_episode_len"]["mean"] == pytest.approx(sum(lens) / 2)
+    assert row["best_episode_len"]["mean"] <= row["final_episode_len"]["mean"] + 1e-9
+    assert "seed=1,2" in result["produced_by"][0] and result["produced_by"][0].startswith("python train.py -m")
+    md = (tmp_path / "report.md").read_text()
+    assert f"| `{group}` | 2 | 2 |" in md and "![learning curves](curves.png)" in md
+    assert f"| `{group}` | 2 | 2 |" in capsys.readouterr().out
+
+
+def test_report_on_a_single_run(sweep, tmp_path):
+    run = sorted(sweep.glob("*_seed*"))[0]
+    assert main([str(run), "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "report.json").read_text())
+    (row,) = result["groups"].values()
+    assert row["seeds"] == ["1"] and row["final_win_rate"]["std"] == 0.0
+    assert row["final_win_rate"]["mean"] == final_eval(run, "eval/win_rate")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_report_on_a_directory_without_runs_says_what_it_expected(tmp_path):
+    with pytest.raises(SystemExit, match="no runs under .*logs/metrics.csv"):
+        main([str(tmp_path)])

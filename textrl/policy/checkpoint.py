@@ -1,0 +1,48 @@
+"""Reading textrl training checkpoints: for resuming (train.py ckpt_path=...) and for loading the
+trained policy (textrl-eval, textrl-play, textrl-export)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from textrl.config import TrainConfig
+from textrl.policy.model import PolicyValueModel, build_policy
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, dict]:
+    """The checkpoint's path and contents; fails before any model is built if it is unusable.
+
+    ``option`` names the setting the path came from, for the error message.
+    """
+    ckpt = Path(path).expanduser()
+    if not ckpt.is_file():
+        raise CheckpointError(f"{option}={path} does not exist; pass a file such as <run>/checkpoints/last.ckpt")
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"{option}={path} is not a readable checkpoint ({type(exc).__name__}: {exc}); "
+                              f"it may be truncated: use another one, e.g. the run's best-*.ckpt") from exc
+    missing = [k for k in ("state_dict", "optimizer_states", "textrl") if k not in state]
+    if missing or "config" not in state.get("textrl", {}):
+        raise CheckpointError(f"{option}={path} is not a textrl training checkpoint (missing {missing or ['config']})")
+    return ckpt, state
+
+
+def load_checkpoint_policy(path: str | Path, option: str = "checkpoint") -> tuple[PolicyValueModel, object, TrainConfig]:
+    """The policy (with any LoRA adapters), tokenizer and training config stored in a checkpoint."""
+    _, state = read_checkpoint(path, option)
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), state["textrl"]["config"]))
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
+    weights = {k.removeprefix("policy."): v for k, v in state["state_dict"].items() if k.startswith("policy.")}
+    missing, unexpected = policy.load_state_dict(weights, strict=not cfg.memory.lora)
+    if unexpected or (cfg.memory.lora and any("lora_" in k or "value_head" in k for k in missing)):
+        raise CheckpointError(f"{path} does not match its own config: unexpected {unexpected[:3]}, "
+                              f"missing {missing[:3]}")
+    return policy, tokenizer, cfg
