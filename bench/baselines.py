@@ -1,14 +1,22 @@
 """Reference points for the learning curves: the random policy and the untrained model, played on
 held-out games of every difficulty with textrl-eval's code (greedy for the model).
 
-    python bench/baselines.py                       # random + untrained smollm2, 64 games each
+    python bench/baselines.py                                   # random + untrained smollm2, all difficulties
+    python bench/baselines.py --difficulties hard --policies model:smollm2
+
+Each (difficulty, policy) cell is written as soon as it is measured, with the command that measured
+it, and merged into the existing results file: an untrained model on medium or hard plays 64 x 32
+turns whose prompts hit max_prompt_tokens and are re-encoded every turn, which takes an hour or more
+on a 2-core CPU, so cells can be measured one at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
-from result import write_result  # bench/result.py (the script directory is on sys.path)
+from result import command, write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.cli.evaluate import evaluate
 from textrl.games.pool import DIFFICULTIES
 
@@ -22,14 +30,20 @@ def main(argv=None):
     ap.add_argument("--out", default="bench/results/baselines.json")
     args = ap.parse_args(argv)
 
-    results = {}
+    out = Path(args.out)
+    results = json.loads(out.read_text())["results"] if out.is_file() else {}
     for difficulty in args.difficulties:
         for policy in args.policies:
             summary, _ = evaluate(policy, difficulty, args.games)
             summary.pop("per_game")
+            summary["command"] = command(argv)
             results.setdefault(difficulty, {})[policy] = summary
             print(difficulty, policy, {k: summary[k] for k in ("win_rate", "steps", "return")}, flush=True)
-    write_result(args.out, {"games": args.games, "results": results}, argv)
+            cells = [(d, p) for d in DIFFICULTIES for p in sorted({p for r in results.values() for p in r})]
+            write_result(args.out, {
+                "games": args.games, "results": results,
+                "missing": [f"{d} {p}" for d, p in cells if p not in results.get(d, {})],
+            }, argv, show={"measured": f"{difficulty} {policy}", "written": args.out})
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def test_unknown_keys_and_wrong_types_fail_at_composition():
 
 def test_the_cli_prints_one_clear_line_for_a_bad_value(tmp_path):
     out = subprocess.run([sys.executable, "train.py", "ppo.lr_lm=-1", f"hydra.run.dir={tmp_path}"],
-                         capture_output=True, text=True, cwd=CONF_DIR.parent, timeout=120)
+                         capture_output=True, text=True, cwd=CONF_DIR.parent, timeout=600)
     assert out.returncode != 0
     assert "error: ppo.lr_lm=-1.0 is not allowed: a number > 0" in out.stderr
     assert "Traceback" not in out.stderr
