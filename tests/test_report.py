@@ -62,3 +62,21 @@ def test_report_on_a_single_run(sweep, tmp_path):
 def test_report_on_a_directory_without_runs_says_what_it_expected(tmp_path):
     with pytest.raises(SystemExit, match="no runs under .*logs/metrics.csv"):
         main([str(tmp_path)])
+
+
+def test_report_reads_tensorboard_logs_like_csv(tmp_path):
+    """The same run logged with logger=tensorboard reports the same eval curve as its csv twin."""
+    import textrl.cli.train as cli
+    from tests.test_training import config
+
+    for logger in ("csv", "tensorboard"):
+        cli.train(config(tmp_path / logger, f"logger={logger}", "iterations=2", "eval.every=1"))
+    assert list((tmp_path / "tensorboard" / "logs").glob("events.out.tfevents.*"))
+    curves = {}
+    for logger in ("csv", "tensorboard"):
+        assert main([str(tmp_path / logger), "--out", str(tmp_path / f"report_{logger}")]) == 0
+        (curves[logger],) = json.loads((tmp_path / f"report_{logger}" / "report.json").read_text())["curves"].values()
+    for metric in ("eval/win_rate", "eval/episode_len", "rollout/win_rate"):
+        assert [i for i, _ in curves["tensorboard"][metric]] == [i for i, _ in curves["csv"][metric]]
+        assert [v for _, v in curves["tensorboard"][metric]] == pytest.approx([v for _, v in curves["csv"][metric]])
+    assert [i for i, _ in curves["csv"]["eval/win_rate"]] == [0, 1, 2]
