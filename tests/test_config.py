@@ -29,7 +29,15 @@ def options(group):
 def test_defaults_are_easy_smollm2_csv():
     cfg = compose_train()
     assert isinstance(cfg, TrainConfig)
-    assert (cfg.env.difficulty, cfg.model.name, cfg.logger.name, cfg.memory.name) == ("easy", "smollm2", "csv", "none")
+    assert (cfg.env.difficulty, cfg.model.name, cfg.logger.name, cfg.memory.name) == ("easy", "smollm2", "csv", "auto")
+
+
+def test_auto_precision_is_bf16_exactly_where_the_cpu_has_native_bf16():
+    cpu = ["trainer.accelerator=cpu"]
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert compose_train(cpu).memory.precision == ("bf16-mixed" if native else "32-true")
+    assert compose_train([*cpu, "memory=none"]).memory.precision == "32-true"
+    assert compose_train([*cpu, "memory=grad_ckpt", "memory.precision=auto"]).memory.precision == compose_train(cpu).memory.precision
 
 
 @pytest.mark.parametrize("group", GROUPS)

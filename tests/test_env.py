@@ -49,6 +49,17 @@ def test_step_limit_truncates_and_history_is_bounded(easy_games):
     assert env.steps == 0 and not env.history
 
 
+def test_full_history_drops_its_oldest_half_at_once(easy_games):
+    env = TextGame(easy_games[1], max_steps=8, history_len=4)
+    env.reset()
+    lengths = []
+    for i in range(7):
+        env.step(["look", "inventory"][i % 2])
+        lengths.append(len(env.history))
+    assert lengths == [1, 2, 3, 4, 3, 4, 3]
+    assert [t.command for t in env.history] == ["look", "inventory", "look"]  # the newest turns stay
+
+
 def test_feedback_is_cleaned_of_prompt_and_status_lines(easy_games):
     env = TextGame(easy_games[2], 8)
     env.reset()

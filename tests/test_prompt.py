@@ -35,16 +35,34 @@ def test_prompts_are_append_only_so_the_kv_cache_can_be_reused(prompts, easy_gam
         assert b[: len(expected_prefix)] == expected_prefix
 
 
-def test_oldest_history_is_dropped_first(prompts, easy_games):
-    env, snaps = play_some(easy_games[0])
+def test_oldest_history_is_dropped_first_a_block_at_a_time(prompts, easy_games):
+    env, snaps = play_some(easy_games[0], commands=["look", "inventory"] * 4)
     obs, history = snaps[-1]
+    assert len(history) == 8
     full = prompts.build(obs, history)
-    without_oldest = prompts.build(obs, history[1:])
+    block = PromptBuilder.DROP_BLOCK
+    without_oldest = prompts.build(obs, history[block:])
     small = PromptBuilder(prompts.tokenizer, max_prompt_tokens=len(full) - 1)
     assert small.build(obs, history) == without_oldest
     alone = prompts.build(obs, [])
     with pytest.raises(PromptTooLongError, match="max_prompt_tokens"):
         PromptBuilder(prompts.tokenizer, max_prompt_tokens=len(alone) - 1).build(obs, [])
+
+
+def test_over_budget_prompts_restart_once_per_block_not_every_turn(prompts, easy_games):
+    env = TextGame(easy_games[0], max_steps=14, history_len=100)
+    env.reset()
+    budget = None
+    built = []
+    for i in range(14):
+        if i == 5:  # about five turns fit
+            budget = PromptBuilder(prompts.tokenizer, max_prompt_tokens=len(built[-1]))
+        built.append((budget or prompts).build(env.observation, env.history))
+        env.step(["look", "inventory"][i % 2])
+    extends = [b[: len(a)] == a for a, b in zip(built, built[1:])]
+    restarts = [i for i, ok in enumerate(extends) if not ok]
+    assert restarts, "the budget never bound"
+    assert all(b - a > 1 for a, b in zip(restarts, restarts[1:])), extends  # never two turns in a row
 
 
 def test_listing_commands_is_an_option(prompts, easy_games):

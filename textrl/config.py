@@ -64,7 +64,9 @@ class PPOConfig:
 @dataclass
 class MemoryConfig:
     name: str = "none"
-    precision: str = "32-true"  # Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA only)
+    # Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA only) | auto (resolved by ``validate``:
+    # bf16-mixed where the device computes in bf16 natively, else 32-true)
+    precision: str = "32-true"
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes, for the LM parameters)
     grad_ckpt: bool = False  # the model's gradient checkpointing (non-reentrant) during updates
     lora: bool = False  # PEFT LoRA adapters on the LM; the value head is trained fully
@@ -162,8 +164,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
            "one of ['hub', 'gguf', 'random']")
     _check("model.value_hidden", cfg.model.value_hidden, cfg.model.value_hidden >= 1, "an integer >= 1")
     m = cfg.memory
-    _check("memory.precision", m.precision, m.precision in {"32-true", "bf16-mixed", "16-mixed"},
-           "one of ['32-true', 'bf16-mixed', '16-mixed']")
+    _check("memory.precision", m.precision, m.precision in {"32-true", "bf16-mixed", "16-mixed", "auto"},
+           "one of ['32-true', 'bf16-mixed', '16-mixed', 'auto']")
     _check("memory.optimizer", m.optimizer, m.optimizer in {"adamw", "adamw8bit"}, "one of ['adamw', 'adamw8bit']")
     _check("memory.lora_r", m.lora_r, m.lora_r >= 1, "an integer >= 1")
     _check("memory.quantize_4bit", m.quantize_4bit, not m.quantize_4bit or m.lora,
@@ -171,6 +173,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check("model.trainable_layers", cfg.model.trainable_layers, cfg.model.trainable_layers is None or not m.lora,
            "null with LoRA (LoRA already freezes the base model): set model.trainable_layers=null")
     cuda = cfg.trainer.accelerator in {"auto", "gpu", "cuda"} and _cuda_available()
+    if m.precision == "auto":
+        m.precision = "bf16-mixed" if native_bf16(cuda) else "32-true"
     for key, needs, cpu_choice in [
         ("precision", m.precision == "16-mixed", "memory=bf16 (or memory.precision=bf16-mixed)"),
         ("quantize_4bit", m.quantize_4bit, "memory=lora (bitsandbytes 4-bit kernels are CUDA-only)"),
@@ -184,6 +188,19 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def native_bf16(cuda: bool) -> bool:
+    """Whether the training device computes in bfloat16 natively (``memory.precision=auto``).
+
+    On CPUs without AVX512-BF16 or AMX, bf16 is emulated and slower than fp32, so auto stays fp32.
+    """
+    import torch
+
+    if cuda:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    cpu = torch.cpu
+    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
@@ -209,6 +226,11 @@ def load_model_config(name: str, **overrides) -> ModelConfig:
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), data, overrides)
     return OmegaConf.to_object(merged)
 
+
+def load_env_config(difficulty: str) -> EnvConfig:
+    """An ``env`` group option (a difficulty) as an EnvConfig: its prompt budget and step limit."""
+    data = OmegaConf.load(_group_file("env", difficulty))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EnvConfig), data))
 
 
 def load_memory_config(name: str) -> MemoryConfig:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from textrl.config import EnvConfig, load_model_config
+from textrl.config import load_env_config, load_model_config, native_bf16
 from textrl.games.env import TextGame
 from textrl.games.pool import DIFFICULTIES, GamePool
 from textrl.games.prompt import PromptBuilder
@@ -69,8 +69,8 @@ def evaluate(policy_source: str, difficulty: str | None = None, games: int = 64,
              cache_dir: str | None = None, device: str | None = None) -> tuple[dict, list[Episode]]:
     """Play ``games`` held-out games. ``policy_source``: ``random``, ``model:<name>`` (untrained) or
     ``checkpoint:<path>``. Returns the summary and the episodes."""
-    env = EnvConfig()
-    autocast = contextlib.nullcontext()
+    env = None
+    precision = "auto"  # an untrained model: bf16 where the device has it natively, as training
     if policy_source == "random":
         policy = tokenizer = None
     elif policy_source.startswith("model:"):
@@ -79,19 +79,25 @@ def evaluate(policy_source: str, difficulty: str | None = None, games: int = 64,
         policy, tokenizer, cfg = load_checkpoint_policy(policy_source.removeprefix("checkpoint:"))
         env, cache_dir = cfg.env, cache_dir or cfg.cache_dir
         difficulty = difficulty or env.difficulty
-        dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(cfg.memory.precision)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if dtype is not None:  # play under the autocast it was trained (and evaluated) with
-            autocast = torch.autocast(device, dtype=dtype)
+        precision = cfg.memory.precision  # play under the autocast it was trained (and evaluated) with
     else:
         raise ValueError(f"policy must be 'random', 'model:<name>' or 'checkpoint:<path>', got {policy_source!r}")
     difficulty = difficulty or "easy"
     if difficulty not in DIFFICULTIES:
         raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {sorted(DIFFICULTIES)}")
+    env = env or load_env_config(difficulty)  # the prompt budget training uses on this difficulty
     paths = GamePool(difficulty, cache_dir=cache_dir, workers=env.workers).games("eval", games)
     max_steps = env.max_steps or DIFFICULTIES[difficulty].max_steps
-    if policy is not None:
+    autocast = contextlib.nullcontext()
+    if policy is None:
+        precision = None
+    else:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if precision == "auto":
+            precision = "bf16-mixed" if native_bf16(device == "cuda") else "32-true"
+        dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+        if dtype is not None:
+            autocast = torch.autocast(device, dtype=dtype)
         policy.to(device).eval()
         prompts = PromptBuilder(tokenizer, env.max_prompt_tokens, env.list_commands)
         decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
@@ -109,7 +115,7 @@ def evaluate(policy_source: str, difficulty: str | None = None, games: int = 64,
             for e in envs:
                 e.close()
     summary = {"policy": policy_source, "difficulty": difficulty, "max_steps": max_steps,
-               "greedy": policy is not None, **summarize(episodes)}
+               "greedy": policy is not None, "precision": precision, **summarize(episodes)}
     return summary, episodes
 
 

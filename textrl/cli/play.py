@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from textrl.config import EnvConfig, load_model_config
+from textrl.config import EnvConfig, load_env_config, load_model_config
 from textrl.games.env import InvalidCommandError, TextGame
 from textrl.games.pool import DIFFICULTIES, GamePool
 from textrl.games.prompt import PromptBuilder, observation_text
@@ -50,7 +50,7 @@ def _load_player(args) -> tuple[PolicyValueModel, PromptBuilder, EnvConfig]:
         env = cfg.env
     else:
         policy, tokenizer = build_policy(load_model_config(args.model))
-        env = EnvConfig()
+        env = load_env_config(args.difficulty or "easy")
     policy.eval()
     return policy, PromptBuilder(tokenizer, args.max_prompt_tokens or env.max_prompt_tokens, env.list_commands), env
 
@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     player.add_argument("--checkpoint", help="a training checkpoint: watch the trained policy play greedily "
                                              "(its prompt settings are used)")
     ap.add_argument("--top", type=int, default=5, help="how many likely commands to show per step")
-    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the checkpoint's, else 1024")
+    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the checkpoint's, else the difficulty's")
     args = ap.parse_args(argv)
 
-    policy, env_cfg = None, EnvConfig()
+    policy, env_cfg = None, load_env_config(args.difficulty or "easy")
     if args.model or args.checkpoint:
         try:
             policy, prompts, env_cfg = _load_player(args)

@@ -40,6 +40,9 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
         run_dir = ckpt.parent.parent  # continue the same run directory: logs, checkpoints, transcripts
         cfg.output_dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.memory.name == "auto":
+        log.info("memory=auto: precision %s (%s)", cfg.memory.precision,
+                 "native bf16 on this device" if cfg.memory.precision == "bf16-mixed" else "no native bf16 here")
     L.seed_everything(cfg.seed, workers=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

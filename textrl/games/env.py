@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,7 +98,13 @@ def check_game_file(path: Path) -> None:
 
 
 class TextGame:
-    """A TextWorld game with the textrl reward, step limit and a bounded history of turns."""
+    """A TextWorld game with the textrl reward, step limit and a bounded history of turns.
+
+    The history holds at most ``history_len`` turns. When it would exceed that, the oldest half is
+    dropped at once rather than one turn per step: the prompt then keeps extending the previous one
+    for ``history_len // 2`` turns, so the decoder reuses its KV cache instead of re-encoding the
+    whole prompt every turn of a long episode.
+    """
 
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
                  win_bonus: float = 1.0, history_len: int = 8):
@@ -111,7 +116,10 @@ class TextGame:
         self.max_steps = max_steps
         self.step_penalty = step_penalty
         self.win_bonus = win_bonus
-        self.history: deque[Turn] = deque(maxlen=history_len)
+        if history_len < 1:
+            raise ValueError(f"history_len must be >= 1, got {history_len}")
+        self.history_len = history_len
+        self.history: list[Turn] = []
         try:
             with warnings.catch_warnings():
                 # Jericho cannot track score for TextWorld stories; TextWorld tracks it itself.
@@ -159,6 +167,8 @@ class TextGame:
         state, _, _ = self._env.step(command)
         self.steps += 1
         self.history.append(Turn(obs, command))
+        if len(self.history) > self.history_len:
+            del self.history[: max(1, self.history_len // 2)]
         new = self._observe(state, clean_feedback(state.feedback))
         self.observation = new
         reward = (new.score - obs.score) + (self.win_bonus if new.won else 0.0) - self.step_penalty

@@ -7,7 +7,9 @@ used. Past commands are inserted as their exact trie token ids (command tokens +
 re-tokenized from text, so the sequence the PPO update sees is bit-for-bit the one that was sampled,
 and the prompt of turn t+1 extends the prompt of turn t plus its command: the decoder reuses the KV
 cache of that shared prefix. When the prompt exceeds ``max_prompt_tokens`` the oldest turns are
-dropped first; the system message (with the objective) and the current observation always stay.
+dropped first, ``DROP_BLOCK`` turns at a time, so that the next few prompts extend this one again
+(dropping one turn per turn would make every later prompt a fresh one for the KV cache); the system
+message (with the objective) and the current observation always stay.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def observation_text(obs: Observation, list_commands: bool = False) -> str:
 
 
 class PromptBuilder:
+    DROP_BLOCK = 4  # turns dropped at once when over max_prompt_tokens
+
     def __init__(self, tokenizer, max_prompt_tokens: int = 1024, list_commands: bool = False):
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
@@ -99,4 +103,4 @@ class PromptBuilder:
                 raise PromptTooLongError(
                     f"the prompt for the current observation alone is {len(ids)} tokens, over "
                     f"max_prompt_tokens={self.max_prompt_tokens}; raise env.max_prompt_tokens")
-            history.pop(0)  # oldest turn first
+            del history[: self.DROP_BLOCK]  # oldest turns first
