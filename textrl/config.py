@@ -52,8 +52,8 @@ class PPOConfig:
     gamma: float = 0.99
     lam: float = 0.95
     epochs: int = 4  # passes over each rollout
-    minibatch_size: int = 4  # sequences per forward
-    grad_accum: int = 4  # forwards per optimizer step
+    minibatch_size: int = 2  # sequences per forward
+    grad_accum: int = 32  # forwards per optimizer step
     max_grad_norm: float = 1.0
     normalize_advantages: bool = True
     temperature: float = 1.0  # initial sampling temperature
