@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 from result import command, write_result  # bench/result.py (the script directory is on sys.path)
@@ -29,6 +30,7 @@ def main(argv=None):
     ap.add_argument("--games", type=int, default=64)
     ap.add_argument("--out", default="bench/results/baselines.json")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # textrl-eval's progress lines
 
     out = Path(args.out)
     results = json.loads(out.read_text())["results"] if out.is_file() else {}

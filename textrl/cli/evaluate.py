@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import statistics
 import sys
@@ -30,6 +31,8 @@ from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.model import ModelNotFoundError, build_policy
 from textrl.rollout import Episode, play, play_uniform
 from textrl.transcripts import write_transcripts
+
+log = logging.getLogger(__name__)
 
 Z95 = 1.959964  # two-sided 95% normal quantile
 
@@ -114,6 +117,8 @@ def evaluate(policy_source: str, difficulty: str | None = None, games: int = 64,
         finally:
             for e in envs:
                 e.close()
+        # An untrained model on medium/hard plays every game to the step limit: minutes per batch.
+        log.info("played %d/%d %s games, %d won", len(episodes), len(paths), difficulty, sum(e.won for e in episodes))
     summary = {"policy": policy_source, "difficulty": difficulty, "max_steps": max_steps,
                "greedy": policy is not None, "precision": precision, **summarize(episodes)}
     return summary, episodes
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transcripts", type=int, default=None, help="games to transcribe (default: all)")
     ap.add_argument("--out", help="output directory (default eval/<policy>-<difficulty>)")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.games < 1 or args.batch < 1:
         ap.error("--games and --batch must be >= 1")
     source = ("random" if args.random else f"model:{args.model}" if args.model else f"checkpoint:{args.checkpoint}")
