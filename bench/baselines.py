@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import time
 from pathlib import Path
 
 from result import command, write_result  # bench/result.py (the script directory is on sys.path)
@@ -36,7 +37,9 @@ def main(argv=None):
     results = json.loads(out.read_text())["results"] if out.is_file() else {}
     for difficulty in args.difficulties:
         for policy in args.policies:
+            start = time.perf_counter()
             summary, _ = evaluate(policy, difficulty, args.games)
+            summary["seconds"] = round(time.perf_counter() - start, 1)  # model loading and game generation included
             summary.pop("per_game")
             summary["command"] = command(argv)
             results.setdefault(difficulty, {})[policy] = summary

@@ -108,6 +108,40 @@ def test_truncated_history_drops_the_cached_row_and_stays_exact(tiny, easy_games
     assert assert_matches_fresh_forward(policy, episodes, 1.0) == stats.decisions
 
 
+def test_a_row_restarting_beside_continuing_rows_is_fed_alone_and_the_cache_compacts(tiny, prompts, easy_games):
+    """Turn 2: rows 0 and 2 extend their turn-1 prompts, row 1 gets another game's prompt (as after
+    a history truncation). Every decision must equal a fresh forward, and the cache must not keep
+    row 1's dead turn-1 positions next to a batch-wide copy of its new prompt's width."""
+    policy, tokenizer = tiny
+    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    envs = [TextGame(p, 8) for p in easy_games[:3]]
+    first = []
+    for env in envs:
+        obs = env.reset()
+        first.append((prompts.build(obs, env.history), trie_for(obs, prompts)))
+    actions = decoder.act([0, 1, 2], [p for p, _ in first], [t for _, t in first], greedy=True)
+    second = []
+    for env, action in zip(envs, actions):
+        obs = env.step(action.command).observation
+        second.append((prompts.build(obs, env.history), trie_for(obs, prompts)))
+    other = TextGame(easy_games[5], 8)
+    obs = other.reset()
+    second[1] = (prompts.build(obs, other.history), trie_for(obs, prompts))
+    assert second[0][0][: len(first[0][0])] == first[0][0] and second[1][0][: len(first[1][0])] != first[1][0]
+    turn2 = decoder.act([0, 1, 2], [p for p, _ in second], [t for _, t in second], greedy=True)
+    for (prompt, _), action in zip(second, turn2):
+        step = type("S", (), {"prompt_ids": prompt, "action": action})
+        for d in action.decisions:
+            logp, value = fresh_forward(policy, step, d, 1.0)
+            assert float(logp[d.token]) == pytest.approx(d.logprob, abs=1e-5)
+            assert value == pytest.approx(d.value, abs=1e-5)
+    longest_first = max(len(p) for p, _ in first)
+    assert decoder.fed[1][: len(second[1][0])] == second[1][0]
+    # fed in the common batch, row 1's new prompt would have added its full width to every row
+    assert decoder.mask.shape[1] < longest_first + len(second[1][0])
+    assert decoder.mask.shape[1] <= max(len(f) for f in decoder.fed) * 6 // 5 + 1
+
+
 def test_greedy_takes_the_most_likely_token_and_scores_sum_to_one(tiny, prompts, easy_games):
     policy, tokenizer = tiny
     env = TextGame(easy_games[3], 8)

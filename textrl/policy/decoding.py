@@ -4,8 +4,11 @@
 
 1. Each environment's prompt is fed once. The cache persists across turns of an episode, so when
    the new prompt extends what the row already holds (the prompt builder makes prompts append-only
-   until history is truncated), only the new tokens are fed; otherwise the row's old positions are
-   masked out and the whole prompt is fed again.
+   until history is truncated), only the new tokens are fed. A row whose prompt does not extend its
+   cache (its history was truncated) is fed again from scratch *on its own*, and its fresh cache is
+   spliced in: fed in the common batch, its ~1,000-token prompt would widen every row's chunk to
+   that length, re-encoding the whole batch whenever any one row restarts (on 32-step medium games
+   that was nearly every turn).
 2. Rows then advance in lockstep, one model call per fork level: each call feeds every row's
    pending tokens (the token just chosen plus the forced single-child chain after it), left-padded
    into one chunk with explicit position ids, and reads the logits at the chunk's last position.
@@ -13,8 +16,11 @@
    when greedy). The recorded log-prob is ``log_softmax(logits[allowed] / T)[chosen]`` -- exactly
    what the PPO update recomputes from the same token ids, masks and temperature (T = 1 for greedy).
 
-The KV cache therefore holds padding holes; they are masked, and positions count real tokens only,
-so every row computes what it would compute alone (pinned by the tests).
+The KV cache therefore holds padding holes and dead positions (a restarted row's old tokens); they
+are masked, and positions count real tokens only, so every row computes what it would compute alone
+(pinned by the tests). When more than a fifth of the cache is holes, each row's live positions are
+gathered to the end of a shorter cache; the keys already carry their positions, so nothing changes
+but the cache's length, which otherwise grows with every turn and every restart.
 """
 
 from __future__ import annotations
@@ -91,45 +97,93 @@ class ConstrainedDecoder:
             self.fed = [self.fed[r] for r in rows]
         self.slots = list(slots)
 
-    def _feed(self, chunks: list[list[int]]) -> torch.Tensor:
-        """Append each row's tokens (left-padded into one chunk); return the hidden state at the chunk end."""
+    def _chunk(self, chunks: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, ...]:
+        """Token ids, mask and position ids of the rows' chunks, left-padded to one width."""
         width = max(len(c) for c in chunks)
         ids = torch.full((len(chunks), width), self.pad_id, dtype=torch.long)
-        new_mask = torch.zeros(len(chunks), width, dtype=torch.long)
+        mask = torch.zeros(len(chunks), width, dtype=torch.long)
         positions = torch.zeros(len(chunks), width, dtype=torch.long)
-        for r, chunk in enumerate(chunks):
+        for r, (chunk, start) in enumerate(zip(chunks, starts)):
             n = len(chunk)
             if n:
                 ids[r, width - n:] = torch.tensor(chunk)
-                new_mask[r, width - n:] = 1
-                positions[r, width - n:] = torch.arange(len(self.fed[r]), len(self.fed[r]) + n)
-            self.fed[r].extend(chunk)
+                mask[r, width - n:] = 1
+                positions[r, width - n:] = torch.arange(start, start + n)
         device = self.device
-        self.mask = torch.cat([self.mask, new_mask.to(device)], dim=1)
-        hidden, self.cache = self.policy.hidden(ids.to(device), self.mask, positions.to(device), self.cache)
+        return ids.to(device), mask.to(device), positions.to(device)
+
+    def _feed(self, chunks: list[list[int]]) -> torch.Tensor:
+        """Append each row's tokens (left-padded into one chunk); return the hidden state at the chunk end."""
+        ids, new_mask, positions = self._chunk(chunks, [len(f) for f in self.fed])
+        for fed, chunk in zip(self.fed, chunks):
+            fed.extend(chunk)
+        self.mask = torch.cat([self.mask, new_mask], dim=1)
+        hidden, self.cache = self.policy.hidden(ids, self.mask, positions, self.cache)
         return hidden[:, -1]
+
+    def _restart(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """Feed ``rows`` from scratch with a cache of their own, splice it into the batch's cache in
+        place of their old positions; return their hidden states at the chunk end."""
+        ids, new_mask, positions = self._chunk(chunks, [0] * len(chunks))
+        hidden, fresh = self.policy.hidden(ids, new_mask, positions, self.policy.new_cache())
+        index = torch.tensor(rows, device=self.device)
+        width = ids.shape[1]
+        for layer, new in zip(self.cache.layers, fresh.layers):
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                grown = torch.cat([old, old.new_zeros(*old.shape[:2], width, old.shape[3])], dim=2)
+                grown[index, :, -width:] = getattr(new, name)
+                setattr(layer, name, grown)
+        self.mask[index] = 0
+        self.mask = torch.cat([self.mask, torch.zeros_like(new_mask[:1]).expand(len(self.fed), -1)], dim=1)
+        self.mask[index, -width:] = new_mask
+        for r, chunk in zip(rows, chunks):
+            self.fed[r] = list(chunk)
+        return hidden[:, -1]
+
+    def _compact(self) -> None:
+        """Drop the cache's holes once they are over a fifth of it: each row's live positions move, in
+        order, to the end of a cache as long as the longest row (shorter rows get leading holes)."""
+        live = self.mask.bool()
+        length = int(live.sum(1).max())
+        if self.mask.shape[1] - length <= self.mask.shape[1] // 5:
+            return
+        # a stable sort puts each row's holes first and its live positions after, in their order
+        index = torch.sort(live.int(), dim=1, stable=True).indices[:, -length:]
+        self.mask = self.mask.gather(1, index)
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                setattr(layer, name, old.gather(2, index[:, None, :, None].expand(*old.shape[:2], length, old.shape[3])))
 
     @torch.no_grad()
     def act(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie], temperature: float = 1.0,
             greedy: bool = False, generator: torch.Generator | None = None) -> list[Action]:
         temperature = check_temperature(temperature, greedy)
         self._select(slots)
-        pending: list[list[int]] = []
-        for r, prompt in enumerate(prompts):
-            fed = self.fed[r]
-            if len(prompt) > len(fed) and prompt[: len(fed)] == fed:
-                pending.append(prompt[len(fed):])
-            else:  # history was truncated (or a new episode): drop the row's cache, feed it all
-                self.mask[r] = 0
-                self.fed[r] = []
-                pending.append(list(prompt))
+        extends = [len(p) > len(f) and p[: len(f)] == f for p, f in zip(prompts, self.fed)]
+        if not any(extends):  # every row's history was truncated: start a new cache
+            self.reset()
+            self._select(slots)
+            extends = [True] * len(prompts)
         cursors = [Cursor(trie) for trie in tries]
-        for r, cursor in enumerate(cursors):
-            pending[r] += cursor.new
+        pending = [p[len(f):] + c.new for p, f, c in zip(prompts, self.fed, cursors)]
+        restarted = None
+        if not all(extends):  # some rows' histories were truncated: refeed those alone
+            rows = [r for r, ok in enumerate(extends) if not ok]
+            restarted = self._restart(rows, [list(prompts[r]) + cursors[r].new for r in rows])
+            for r in rows:
+                pending[r] = []
+        self._compact()
         while not all(c.done for c in cursors):
             live = [r for r, c in enumerate(cursors) if not c.done]
-            last = self._feed([pending[r] if not c.done else [] for r, c in enumerate(cursors)])[live]
-            choose(self.policy, last, [cursors[r] for r in live], temperature, greedy, generator)
+            chunks = [pending[r] if not c.done else [] for r, c in enumerate(cursors)]
+            hidden = self._feed(chunks) if any(chunks) else None  # None: only restarted rows are live
+            if restarted is not None:  # the restarted rows' first fork comes from their own feed
+                hidden = restarted.new_zeros(len(cursors), restarted.shape[-1]) if hidden is None else hidden
+                hidden[rows] = restarted
+                restarted = None
+            choose(self.policy, hidden[live], [cursors[r] for r in live], temperature, greedy, generator)
             for r in live:
                 pending[r] = cursors[r].new
         return [c.action(temperature) for c in cursors]
