@@ -5,9 +5,9 @@ held-out games of every difficulty with textrl-eval's code (greedy for the model
     python bench/baselines.py --difficulties hard --policies model:smollm2
 
 Each (difficulty, policy) cell is written as soon as it is measured, with the command that measured
-it, and merged into the existing results file: an untrained model on medium or hard plays 64 x 32
-turns whose prompts hit max_prompt_tokens and are re-encoded every turn, which takes an hour or more
-on a 2-core CPU, so cells can be measured one at a time.
+it and its wall time, and merged into the existing results file: an untrained model on medium or
+hard plays 64 x 32 turns with prompts at max_prompt_tokens (about 40 minutes per cell on a 2-core
+CPU in fp32), so cells can be measured one at a time.
 """
 
 from __future__ import annotations
