@@ -20,7 +20,7 @@ def test_only_admissible_commands_are_ever_emitted(tiny, prompts, easy_games, te
     """64 samples per state, two states per game, 24 games: 3072 samples per temperature."""
     policy, tokenizer = tiny
     decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
-    generator = torch.Generator().manual_seed(1)
+    rngs = [torch.Generator().manual_seed(1000 + i) for i in range(64)]
     rng = random.Random(0)
     emitted = set()
     for path in easy_games:
@@ -31,7 +31,7 @@ def test_only_admissible_commands_are_ever_emitted(tiny, prompts, easy_games, te
             trie = trie_for(obs, prompts)
             prompt = prompts.build(obs, env.history)
             decoder.reset()
-            actions = decoder.act(list(range(64)), [prompt] * 64, [trie] * 64, temperature, generator=generator)
+            actions = decoder.act(list(range(64)), [prompt] * 64, [trie] * 64, temperature, rngs=rngs)
             for action in actions:
                 assert action.command in obs.admissible_commands
                 assert action.command_ids == trie.commands[action.command]
@@ -64,6 +64,31 @@ def test_mixed_batch_gives_the_same_logprobs_as_each_environment_alone(tiny, pro
                 assert dm.value == pytest.approx(da.value, abs=1e-5)
 
 
+def test_sampled_commands_depend_only_on_the_episode_seed_not_on_the_batch(tiny, prompts, easy_games):
+    """The sampling path: one CPU generator per episode, drawing from the few allowed probabilities
+    (docs/gpu.md). A game sampled alone, in a batch, or in another batch order plays the same
+    commands; another seed plays other ones."""
+    from textrl.rollout import episode_seeds
+
+    policy, tokenizer = tiny
+    games = easy_games[:6]
+    seeds = episode_seeds(7, 3, games)
+
+    def sample(indices, seed_of=lambda i: seeds[i]):
+        decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+        episodes, _ = play([TextGame(games[i], 8) for i in indices], decoder, prompts, temperature=1.5,
+                           seeds=[seed_of(i) for i in indices])
+        return {i: [s.action.command for s in e.steps] for i, e in zip(indices, episodes)}
+
+    together = sample(range(6))
+    assert sample([5, 3, 1]) == {i: together[i] for i in [5, 3, 1]}
+    for i in [0, 4]:
+        assert sample([i]) == {i: together[i]}
+    assert episode_seeds(7, 3, [games[4], games[0]]) == [seeds[4], seeds[0]]  # a game's seed, not its slot
+    other = sample(range(6), seed_of=lambda i: seeds[i] + 1)
+    assert other != together
+
+
 def fresh_forward(policy, step, decision, temperature):
     """(log-prob, value) of a decision from one uncached forward of prompt + command, as the update does."""
     ids = torch.tensor([step.prompt_ids + step.action.command_ids[: decision.index]])
@@ -91,7 +116,7 @@ def test_recorded_logprobs_match_a_fresh_full_forward(tiny, prompts, easy_games)
     policy, tokenizer = tiny
     decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
     episodes, stats = play([TextGame(p, 8) for p in easy_games[:6]], decoder, prompts, temperature=0.7,
-                           generator=torch.Generator().manual_seed(3))
+                           seeds=list(range(6)))
     assert assert_matches_fresh_forward(policy, episodes, 0.7) == stats.decisions > 10
 
 
@@ -172,6 +197,6 @@ def test_gpt2_and_qwen_architectures_decode_exactly(name, layers, easy_games):
     prompts = PromptBuilder(tokenizer)
     decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
     episodes, stats = play([TextGame(p, 3) for p in easy_games[:3]], decoder, prompts, temperature=1.0,
-                           generator=torch.Generator().manual_seed(0))
+                           seeds=[0, 1, 2])
     assert all(s.action.command in s.observation.admissible_commands for e in episodes for s in e.steps)
     assert assert_matches_fresh_forward(policy, episodes, 1.0) == stats.decisions > 0

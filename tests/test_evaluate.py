@@ -1,6 +1,7 @@
 """textrl-eval and textrl-play on held-out games: a random policy and a trained tiny checkpoint."""
 
 import json
+import math
 import re
 
 import pytest
@@ -57,10 +58,14 @@ def test_tiny_checkpoint(checkpoint, tmp_path):
     assert text.count("- command: `") == sum(g["steps"] for g in result["per_game"])
 
 
-def test_wilson_interval_is_inside_0_1_and_covers_the_rate():
-    assert wilson_interval(0, 64)[0] == 0.0 and 0 < wilson_interval(0, 64)[1] < 0.1
-    lo, hi = wilson_interval(32, 64)
-    assert lo < 0.5 < hi and hi - lo == pytest.approx(0.24, abs=0.01)
+@pytest.mark.parametrize("wins, n", [(0, 64), (1, 64), (26, 64), (32, 64), (60, 64), (64, 64), (3, 7)])
+def test_wilson_interval_solves_the_score_equation(wins, n):
+    """The Wilson bounds are the two roots p of (wins/n - p)^2 = z^2 p (1 - p) / n: solved here as
+    a quadratic, independently of the closed form in textrl.cli.evaluate."""
+    z2, q = 1.959963984540054**2, wins / n
+    a, b, c = 1 + z2 / n, -(2 * q + z2 / n), q * q
+    root = math.sqrt(b * b - 4 * a * c)
+    assert wilson_interval(wins, n) == pytest.approx([(-b - root) / (2 * a), (-b + root) / (2 * a)], abs=1e-6)
 
 
 def test_bad_checkpoint_is_named(tmp_path):

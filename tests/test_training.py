@@ -2,6 +2,10 @@
 
 import csv
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -11,9 +15,9 @@ from hydra import compose, initialize_config_dir
 
 import textrl.cli.train as cli
 from textrl.config import CONF_DIR, to_train_config
-from textrl.ppo.buffer import build_sequences, minibatches
+from textrl.ppo.buffer import add_advantages, episode_sequences
+from textrl.rollout import episode_seeds
 from textrl.training.callbacks import AtomicCheckpointIO
-from textrl.training.datamodule import iteration_rng
 from textrl.training.module import PPOModule
 
 SMALL = ["model=tiny", "env.num_envs=4", "env.pool_size=8", "eval.games=4", "eval.batch=4", "eval.transcripts=2",
@@ -34,18 +38,22 @@ def read_metrics(run_dir):
         return list(csv.DictReader(f))
 
 
-def lm_params(module):
-    return {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+class Snapshot(L.Callback):
+    """The policy's own weights when training starts (after any checkpoint is loaded)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.weights = {k: v.detach().clone() for k, v in pl_module.policy.state_dict().items()}
+
+    def changed(self, module) -> list[str]:
+        after = module.policy.state_dict()
+        return [k for k, v in self.weights.items() if not torch.equal(v, after[k])]
 
 
 def test_two_iterations_end_to_end(tmp_path):
     cfg = config(tmp_path, "iterations=2", "eval.every=1")
-    from textrl.policy.model import build_policy
-
-    before, _ = build_policy(cfg.model, cfg.env.step_penalty)
-    result = cli.train(cfg)
-    after = result["module"].policy.state_dict()
-    changed = [k for k, v in before.state_dict().items() if not torch.equal(v, after[k])]
+    snapshot = Snapshot()
+    result = cli.train(cfg, callbacks=[snapshot])
+    changed = snapshot.changed(result["module"])
     assert any(k.startswith("lm.") for k in changed) and any(k.startswith("value_head.") for k in changed)
 
     rows = read_metrics(tmp_path)
@@ -55,43 +63,68 @@ def test_two_iterations_end_to_end(tmp_path):
     assert [float(r["iteration"]) for r in eval_rows] == [0.0, 1.0, 2.0]
     for key in ["rollout/win_rate", "rollout/return", "rollout/episode_len", "loss/value", "loss/entropy",
                 "policy/approx_kl", "policy/clipfrac", "policy/ratio_mean", "value/explained_variance",
-                "value/corr", "optim/grad_norm", "optim/lr_lm", "optim/lr_value", "rollout/temperature",
-                "perf/rollout_s", "perf/update_s", "perf/tokens_per_s"]:
+                "value/corr", "optim/grad_norm", "optim/grad_norm_value", "optim/lr_lm", "optim/lr_value",
+                "rollout/temperature", "perf/rollout_s", "perf/update_s", "perf/tokens_per_s"]:
         assert train_rows[0][key] != "", key
-    assert float(train_rows[1]["rollout/temperature"]) == pytest.approx(0.995**2)
-    assert float(train_rows[1]["optim/lr_lm"]) < float(train_rows[0]["optim/lr_lm"])  # cosine decay
-    assert float(train_rows[0]["optim/lr_value"]) == pytest.approx(cfg.ppo.lr_value)  # its own, not decayed
-    assert float(train_rows[1]["optim/lr_value"]) == pytest.approx(cfg.ppo.lr_value)
-    for r in train_rows:  # fresh data + unchanged weights: the PPO ratio is 1
-        assert float(r["policy/first_ratio_dev"]) < 1e-4
+    assert all(r["perf/eval_s"] != "" for r in eval_rows) and all(not r.get("perf/eval_s") for r in train_rows)
+    # the temperature this iteration's rollout sampled at: T0 at the first iteration, T0 x 0.995 at the second
+    assert [float(r["rollout/temperature"]) for r in train_rows] == pytest.approx([1.0, 0.995])
+    # cosine from lr_lm at the first iteration to exactly lr_lm_min at the last
+    assert [float(r["optim/lr_lm"]) for r in train_rows] == pytest.approx([cfg.ppo.lr_lm, cfg.ppo.lr_lm_min])
+    assert float(train_rows[1]["optim/lr_value"]) == pytest.approx(cfg.ppo.lr_value)  # its own, not decayed
+    for r in train_rows:  # fresh data + unchanged weights: every ratio of the first minibatch is 1
+        assert float(r["policy/first_logratio_max"]) < 1e-4
     assert (tmp_path / "transcripts" / "iter_0002.md").read_text().count("- command: `") >= 2
-    assert Path(result["last"]).is_file() and Path(result["best"]).is_file()
+    assert Path(result["last"]).name == "last.ckpt" and Path(result["best"]).is_file()
 
 
-def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool):
-    cfg = config(tmp_path)
+def rollout(cfg, games, iteration=0):
     from textrl.policy.model import build_policy
 
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
     module = PPOModule(cfg, policy, tokenizer)
-    episodes = module.play(easy_pool.games("train", 4), greedy=False)
-    sequences = build_sequences(episodes, 0.99, 0.95)
-    first = next(minibatches(sequences, 2, 1, iteration_rng(0, 0)))
-    with torch.no_grad():
-        logits, allowed, values, _ = module._forward(first)
-    from textrl.policy.decoding import masked_logprobs
+    episodes, _ = module.play(games, temperature=1.0, seeds=episode_seeds(cfg.seed, iteration, games))
+    per_episode = [episode_sequences(e) for e in episodes]
+    add_advantages(episodes, per_episode, cfg.ppo.gamma, cfg.ppo.lam)
+    return module, [s for seqs in per_episode for s in seqs]
 
-    tokens = torch.tensor([t for s in first for t in s.tokens])
-    temps = torch.tensor([t for s in first for t in s.temperatures])
-    new = masked_logprobs(logits / temps[:, None], allowed, 1.0).gather(1, tokens[:, None]).squeeze(1)
-    old = torch.tensor([x for s in first for x in s.old_logprobs])
-    assert len(old) >= 2
-    assert torch.allclose((new - old).exp(), torch.ones_like(old), atol=1e-4)
+
+def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool):
+    module, sequences = rollout(config(tmp_path), easy_pool.games("train", 4))
+    first = sequences[:2]
+    with torch.no_grad():
+        terms, _ = module._loss(first, 1.0)
+        _, _, values, _ = module._forward(first)
+    assert terms.log_ratio.numel() >= 2
+    assert float(terms.log_ratio.abs().max()) < 1e-4
     assert torch.allclose(values, torch.tensor([x for s in first for x in s.old_values]), atol=1e-4)
 
 
+def test_an_optimizer_steps_gradient_does_not_depend_on_how_it_is_split(tmp_path, easy_pool):
+    """The gradient of one optimizer step is the mean over its decisions: one minibatch of all its
+    sequences, or several accumulated minibatches of different sizes, give the same gradient."""
+    module, sequences = rollout(config(tmp_path, "env.max_steps=3"), easy_pool.games("train", 6))
+    assert len(sequences) >= 5 and len({len(s.tokens) for s in sequences}) > 1  # unequal sequences
+    n = float(sum(len(s.tokens) for s in sequences))
+    params = [q for q in module.policy.parameters() if q.requires_grad]
+
+    def gradient(split):
+        for q in params:
+            q.grad = None
+        for minibatch in split:
+            terms, _ = module._loss(minibatch, n)
+            terms.loss.backward()
+        return [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
+
+    whole = gradient([sequences])
+    for split in ([sequences[:1], sequences[1:4], sequences[4:]], [[s] for s in sequences]):
+        for a, b in zip(whole, gradient(split)):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert any(float(g.abs().max()) > 1e-6 for g in whole)
+
+
 class StopAfter(L.Callback):
-    """Stops a run after n iterations, as if it had been killed there."""
+    """Stops a run after n iterations, cleanly (Lightning still runs its end-of-training hooks)."""
 
     def __init__(self, n):
         self.n = n
@@ -99,6 +132,14 @@ class StopAfter(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         if trainer.current_epoch + 1 >= self.n:
             trainer.should_stop = True
+
+
+TABLE_KEYS = ["iteration", "rollout/return", "rollout/win_rate", "loss/policy", "loss/value", "eval/win_rate",
+              "rollout/temperature", "optim/lr_lm", "optim/grad_norm"]
+
+
+def table(run):
+    return [[r[k] and round(float(r[k]), 5) for k in TABLE_KEYS] for r in read_metrics(run)]
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
@@ -112,14 +153,58 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     a = straight["module"].policy.state_dict()
     b = resumed["module"].policy.state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-    keys = ["iteration", "rollout/return", "rollout/win_rate", "loss/policy", "loss/value", "eval/win_rate",
-            "rollout/temperature", "optim/lr_lm"]
-
-    def table(run):
-        return [[r[k] and round(float(r[k]), 5) for k in keys] for r in read_metrics(run)]
-
     assert table(tmp_path / "straight") == table(tmp_path / "split")
     assert resumed["trainer"].current_epoch == 4
+
+
+def test_a_run_killed_with_sigkill_resumes_from_last_ckpt_like_an_uninterrupted_run(tmp_path):
+    """`python train.py` is SIGKILLed as soon as iteration 2's last.ckpt is on disk (it is then
+    inside iteration 3, with no chance to clean up), resumed from last.ckpt, and must end with the
+    weights and the metrics of a run that was never interrupted."""
+    from textrl.policy.checkpoint import load
+
+    args = [sys.executable, "train.py", *SMALL, "memory=none", "iterations=6", "eval.every=2", "eval.transcripts=0"]
+    straight = subprocess.run([*args, f"hydra.run.dir={tmp_path / 'straight'}"], cwd=CONF_DIR.parent,
+                              capture_output=True, text=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    last = killed / "checkpoints" / "last.ckpt"
+    proc = subprocess.Popen([*args, f"hydra.run.dir={killed}"], cwd=CONF_DIR.parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = 0
+    deadline = time.time() + 600
+    while done < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+        if last.is_file():
+            done = load(last)["textrl"]["iterations_done"]
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert 2 <= load(last)["textrl"]["iterations_done"] < 6
+
+    resumed = subprocess.run([*args, f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'resumed'}"],
+                             cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = load(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    b = load(last)
+    assert a["textrl"]["iterations_done"] == b["textrl"]["iterations_done"] == 6
+    assert all(torch.allclose(a["state_dict"][k], b["state_dict"][k], atol=1e-6) for k in a["state_dict"])
+    assert table(tmp_path / "straight") == table(killed)
+
+
+def test_last_ckpt_is_written_after_every_iteration(tmp_path):
+    """With eval.every > 1, Lightning's save_last alone wrote last.ckpt only at the end of training."""
+    from textrl.policy.checkpoint import load
+
+    seen = []
+
+    class Watch(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+            seen.append(load(last)["textrl"]["iterations_done"] if last.is_file() else None)
+
+    cli.train(config(tmp_path, "iterations=4", "eval.every=3"), callbacks=[Watch()])
+    assert seen == [None, 1, 2, 3]
 
 
 def test_checkpoint_write_killed_midway_leaves_the_previous_one_usable(tmp_path, monkeypatch):
@@ -147,9 +232,24 @@ def test_bad_checkpoint_fails_before_training(tmp_path):
         cli.train(config(tmp_path, f"ckpt_path={broken}"))
 
 
+class Payload:
+    """An object whose unpickling would run code (``__reduce__``): a checkpoint must not hold one."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_a_checkpoint_holding_code_is_refused_not_run(tmp_path):
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "optimizer_states": [], "textrl": {"config": {}}, "x": Payload()}, evil)
+    with pytest.raises(cli.CheckpointError, match="other than tensors and plain data"):
+        cli.train(config(tmp_path, f"ckpt_path={evil}"))
+
+
 def test_wandb_logger_runs_offline_without_a_key(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     import logging
 
@@ -159,3 +259,22 @@ def test_wandb_logger_runs_offline_without_a_key(tmp_path, monkeypatch, caplog):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
     os.environ.pop("WANDB_MODE", None)
+
+
+def test_wandb_uses_the_key_that_wandb_login_stored_in_netrc(tmp_path, monkeypatch):
+    """`wandb login` writes the key to ~/.netrc (or $NETRC): that user is online, not offline.
+    Nothing is sent: the logger is only built, its run is not started."""
+    from textrl.training.loggers import make_logger, wandb_api_key
+
+    key = "0123456789abcdef0123456789abcdef01234567"
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")
+    netrc.chmod(0o600)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert wandb_api_key() == key
+    logger = make_logger(config(tmp_path, "logger=wandb"), tmp_path, None)
+    assert logger._offline is False
+    monkeypatch.setenv("NETRC", str(tmp_path / "missing"))
+    assert make_logger(config(tmp_path, "logger=wandb"), tmp_path, None)._offline is True

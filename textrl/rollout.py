@@ -2,12 +2,13 @@
 
 Each turn, the prompts of the environments still playing are built, their admissible commands
 become tries, and one ``decoder.act`` call picks a command for each; the environments step and the
-finished ones leave the batch. Used for training rollouts (sampling at temperature T) and for
-evaluation (greedy); ``play_uniform`` is the random-policy baseline.
+finished ones leave the batch. Used for training rollouts (sampling at temperature T, one seed per
+episode) and for evaluation (greedy); ``play_uniform`` is the random-policy baseline.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
@@ -38,6 +39,12 @@ class Episode:
     game: str
     steps: list[Step] = field(default_factory=list)
     won: bool = False
+    # value estimate of the state the step limit cut the episode at (training rollouts only)
+    bootstrap_value: float | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.steps) and self.steps[-1].truncated
 
     @property
     def length(self) -> int:
@@ -59,18 +66,48 @@ class RolloutStats:
         return self.decisions / max(self.seconds, 1e-9)
 
 
-def play(envs: list[TextGame], decoder, prompts: PromptBuilder, temperature: float = 1.0, greedy: bool = False,
-         generator: torch.Generator | None = None) -> tuple[list[Episode], RolloutStats]:
-    """Every environment plays one episode with the model behind ``decoder``."""
-    decoder.reset()
+def episode_seeds(seed: int, iteration: int, games: list) -> list[int]:
+    """One sampling seed per episode, from the run's seed, the iteration and the game (and how many
+    times the game already occurs in the list): an episode samples the same commands whatever
+    batch, rank or order it is played in, and a resumed run replays it exactly."""
+    seen: dict[str, int] = {}
+    seeds = []
+    for game in games:
+        name = Path(game).parent.name or str(game)
+        k = seen[name] = seen.get(name, -1) + 1
+        digest = hashlib.sha256(f"{seed}/{iteration}/{name}/{k}".encode()).digest()
+        seeds.append(int.from_bytes(digest[:8], "little") >> 1)
+    return seeds
 
-    def act(live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
+
+def play(envs: list[TextGame], decoder, prompts: PromptBuilder, temperature: float = 1.0, greedy: bool = False,
+         seeds: list[int] | None = None, bootstrap: bool = False) -> tuple[list[Episode], RolloutStats]:
+    """Every environment plays one episode with the model behind ``decoder``.
+
+    Sampling (``greedy=False``) needs one seed per environment (``episode_seeds``). With
+    ``bootstrap``, an episode cut by the step limit gets the value of the state it was cut at
+    (``Episode.bootstrap_value``), for the advantages.
+    """
+    decoder.reset()
+    if not greedy and (seeds is None or len(seeds) != len(envs)):
+        raise ValueError("sampling needs one seed per environment (see episode_seeds), or greedy=True")
+    rngs = None if greedy else [torch.Generator().manual_seed(s) for s in seeds]
+
+    def state(live: list[int], obs: list[Observation]):
         prompt_ids = [prompts.build(o, envs[i].history) for i, o in zip(live, obs)]
         tries = [CommandTrie(o.admissible_commands, prompts.encode_command, prompts.end_id) for o in obs]
-        actions = decoder.act(live, prompt_ids, tries, temperature=temperature, greedy=greedy, generator=generator)
+        return prompt_ids, tries
+
+    def act(live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
+        prompt_ids, tries = state(live, obs)
+        actions = decoder.act(live, prompt_ids, tries, temperature=temperature, greedy=greedy,
+                              rngs=None if greedy else [rngs[i] for i in live])
         return list(zip(prompt_ids, actions))
 
-    return run_episodes(envs, act)
+    def value(rows: list[int], obs: list[Observation]) -> list[float]:
+        return decoder.values(rows, *state(rows, obs))
+
+    return run_episodes(envs, act, value if bootstrap else None)
 
 
 def play_uniform(envs: list[TextGame], seed: int = 0) -> tuple[list[Episode], RolloutStats]:
@@ -94,9 +131,10 @@ def play_uniform(envs: list[TextGame], seed: int = 0) -> tuple[list[Episode], Ro
     return run_episodes(envs, act)
 
 
-def run_episodes(envs: list[TextGame], act) -> tuple[list[Episode], RolloutStats]:
+def run_episodes(envs: list[TextGame], act, value=None) -> tuple[list[Episode], RolloutStats]:
     """The loop itself: reset all, then each turn ``act(live, observations)`` gives (prompt ids,
-    action) for the environments still playing; they step, and finished ones leave the batch."""
+    action) for the environments still playing; they step, and finished ones leave the batch.
+    At the end ``value(rows, observations)``, if given, values the states truncated episodes stop in."""
     start = time.perf_counter()
     episodes = [Episode(game=str(env.game_file)) for env in envs]
     for env in envs:
@@ -116,6 +154,10 @@ def run_episodes(envs: list[TextGame], act) -> tuple[list[Episode], RolloutStats
             if not result.done:
                 still.append(i)
         live = still
+    cut = [i for i, e in enumerate(episodes) if e.truncated]
+    if value is not None and cut:
+        for i, v in zip(cut, value(cut, [envs[i].observation for i in cut])):
+            episodes[i].bootstrap_value = v
     return episodes, RolloutStats(time.perf_counter() - start, decisions, turns)
 
 

@@ -16,7 +16,7 @@ from textrl.games.env import GameFileError
 from textrl.games.prompt import PromptTooLongError
 from textrl.policy.checkpoint import CheckpointError, read_checkpoint
 from textrl.policy.model import ModelNotFoundError, build_policy
-from textrl.training.callbacks import AtomicCheckpointIO, TemperatureSchedule
+from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.datamodule import RolloutDataModule
 from textrl.training.loggers import WandbIdCallback, make_logger
 from textrl.training.module import PPOModule
@@ -31,11 +31,15 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
     ``callbacks`` are added to the Trainer's (tests use one to stop a run part-way).
     """
     cfg = validate(cfg) if isinstance(cfg, TrainConfig) else to_train_config(cfg)
-    resume_state = None
+    resume_state, resume_iteration = None, None
     run_dir = Path(cfg.output_dir)
     if cfg.ckpt_path:
         ckpt, state = read_checkpoint(cfg.ckpt_path)
         resume_state = state["textrl"]
+        if "iterations_done" not in resume_state:
+            raise CheckpointError(f"ckpt_path={cfg.ckpt_path} was written by an older textrl and cannot be resumed "
+                                  f"exactly; textrl-eval and textrl-play still read it")
+        resume_iteration = resume_state["iterations_done"]
         del state
         run_dir = ckpt.parent.parent  # continue the same run directory: logs, checkpoints, transcripts
         cfg.output_dir = str(run_dir)
@@ -51,16 +55,19 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
     module = PPOModule(cfg, policy, tokenizer)
     datamodule = RolloutDataModule(cfg)
     checkpoints = run_dir / "checkpoints"
-    last = ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0, every_n_epochs=1)
+    # last.ckpt after every iteration, overwritten in place (a "top-1 without a monitor" is the most
+    # recent one). Lightning's save_last=True alone writes it only when another checkpoint is saved
+    # in the same step, which with eval.every > 1 means at the end of training.
+    last = ModelCheckpoint(dirpath=checkpoints, filename="last", save_top_k=1, every_n_epochs=1,
+                           save_on_train_epoch_end=True, enable_version_counter=False)
     best = ModelCheckpoint(dirpath=checkpoints, filename="best-{iteration:.0f}", monitor="eval/win_rate",
                            mode="max", save_top_k=1, auto_insert_metric_name=False)
     trainer = L.Trainer(
         max_epochs=cfg.iterations,
         accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, strategy=cfg.trainer.strategy,
         num_nodes=cfg.trainer.num_nodes, precision=cfg.memory.precision,
-        logger=make_logger(cfg, run_dir, resume_state),
-        callbacks=[last, best, TemperatureSchedule(cfg.ppo.temperature, cfg.ppo.temperature_decay,
-                                                   cfg.ppo.temperature_min), WandbIdCallback(), *callbacks],
+        logger=make_logger(cfg, run_dir, resume_state, resume_iteration),
+        callbacks=[last, best, WandbIdCallback(), *callbacks],
         plugins=[AtomicCheckpointIO()],
         check_val_every_n_epoch=cfg.eval.every, num_sanity_val_steps=0, log_every_n_steps=1,
         default_root_dir=run_dir, use_distributed_sampler=False, enable_model_summary=False,
@@ -72,7 +79,7 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
     if cfg.iterations % cfg.eval.every:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # always evaluate the final policy
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return {"metrics": metrics, "run_dir": run_dir, "last": last.last_model_path,
+    return {"metrics": metrics, "run_dir": run_dir, "last": last.best_model_path,
             "best": best.best_model_path, "module": module, "trainer": trainer}
 
 

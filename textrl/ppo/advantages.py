@@ -1,13 +1,27 @@
-"""Token-level GAE over the decision tokens of an episode.
+"""GAE per turn, shared by the decision tokens of each turn.
 
-How a turn's reward reaches its tokens: the decisions of an episode form one sequence
-d_1 .. d_K (forks of the command tries, in the order they were sampled). A turn's reward is
-credited to the *last* decision of that turn; its other decisions get 0 and learn through
-bootstrapping (gamma and lambda apply per decision token, as in the seed). A turn with no
-decision (a single admissible command) adds its reward to the latest earlier decision; if the
-episode has none yet, there is no action to credit and the reward is dropped. The episode's last
-decision is terminal: step-limit truncation is treated as the end of the game too (the state
-carries no time left, so there is nothing sound to bootstrap from).
+The rule, and why:
+
+* **Discounting is per turn.** gamma and lambda apply between turns (environment steps), never
+  between the tokens of one command: ``unlock chest with key`` (several forks) and ``drop key``
+  (one fork) are one step of the game each, and are discounted alike. Within a turn there is no
+  reward and no discount.
+* **A turn's decisions share the turn's outcome.** Turn j has the value V_j read at its first
+  decision (the state the command is chosen in), the reward r_j, and the discount d_j to the next
+  turn that has a decision. Plain GAE over the turns gives the turn's advantage A_j and its
+  return R_j = A_j + V_j. Every decision k of the turn gets the return R_j as its value target,
+  and the advantage R_j - V_{j,k} against its own value estimate: the first decision gets exactly
+  A_j, later ones are baselined by a state that already includes the command's first tokens.
+* **Turns without a decision** (one admissible command, auto-advanced) are part of the previous
+  turn's transition: their reward is added to it discounted (r_j + d_j r), and the discount to the
+  next decision grows by one step (d_j gamma). Before the first decision there is no action to
+  credit, and such rewards are dropped.
+* **Truncation is not termination.** An episode that ends because it won or lost has no future
+  (value 0 after it). An episode cut by the step limit continues from the state it was cut in:
+  its last turn bootstraps from the value of that state (read the same way, at its first fork,
+  by ``ConstrainedDecoder.values``). The prompt does not show the steps left, so treating the cut
+  as the end would teach the value head that the same-looking state has no future at step 8 and a
+  future at step 3.
 """
 
 from __future__ import annotations
@@ -15,21 +29,22 @@ from __future__ import annotations
 import torch
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, gamma: float, lam: float):
-    """Generalised advantage estimation over a flat sequence of decisions.
+def gae(rewards: torch.Tensor, values: torch.Tensor, discounts: torch.Tensor, lam: float,
+        last_value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the turns of one episode.
 
-    ``dones[k]`` is 1 where decision k ends its episode (no bootstrap past it). Several episodes
-    may be concatenated. Returns (advantages, returns = advantages + values).
+    ``discounts[j]`` is the discount from turn j to the next (gamma, or a power of it across turns
+    without a decision); ``last_value`` the value of the state after the last turn (0 when the
+    episode ended, the bootstrap value when it was truncated). Returns (advantages, returns).
     """
     advantages = torch.zeros_like(values)
-    next_value = torch.zeros((), dtype=values.dtype)
+    next_value = torch.tensor(last_value, dtype=values.dtype)
     running = torch.zeros((), dtype=values.dtype)
-    for k in range(len(rewards) - 1, -1, -1):
-        live = 1.0 - dones[k].to(values.dtype)
-        delta = rewards[k] + gamma * next_value * live - values[k]
-        running = delta + gamma * lam * live * running
-        advantages[k] = running
-        next_value = values[k]
+    for j in range(len(rewards) - 1, -1, -1):
+        delta = rewards[j] + discounts[j] * next_value - values[j]
+        running = delta + discounts[j] * lam * running
+        advantages[j] = running
+        next_value = values[j]
     return advantages, advantages + values
 
 

@@ -1,4 +1,4 @@
-"""Rollout episodes -> training sequences with advantages.
+"""Rollout episodes -> training sequences with advantages, and the optimizer steps over them.
 
 Consecutive turns of an episode are merged into one sequence whenever the next prompt extends
 the previous prompt + command (the prompt builder makes prompts append-only until history is
@@ -30,18 +30,6 @@ class Sequence:
     returns: list[float] = field(default_factory=list)
 
 
-def decision_rewards(episode: Episode) -> list[float]:
-    """Per-decision rewards under the rule in ``textrl.ppo.advantages``."""
-    rewards: list[float] = []
-    for step in episode.steps:
-        if step.action.decisions:
-            rewards += [0.0] * len(step.action.decisions)
-            rewards[-1] += step.reward
-        elif rewards:
-            rewards[-1] += step.reward
-    return rewards
-
-
 def episode_sequences(episode: Episode) -> list[Sequence]:
     sequences: list[Sequence] = []
     current: Sequence | None = None
@@ -62,40 +50,67 @@ def episode_sequences(episode: Episode) -> list[Sequence]:
     return [s for s in sequences if s.tokens]
 
 
-def build_sequences(episodes: list[Episode], gamma: float, lam: float, normalize: bool = True) -> list[Sequence]:
-    """Sequences with GAE advantages and returns, advantages whitened over the whole rollout."""
-    sequences, adv_all, ret_all = [], [], []
-    for episode in episodes:
-        rewards = decision_rewards(episode)
-        if not rewards:
-            continue
-        seqs = episode_sequences(episode)
-        values = torch.tensor([v for s in seqs for v in s.old_values], dtype=torch.float64)
-        dones = torch.zeros(len(rewards))
-        dones[-1] = 1
-        adv, ret = gae(torch.tensor(rewards, dtype=torch.float64), values, dones, gamma, lam)
-        adv_all.append(adv)
-        ret_all.append(ret)
-        sequences += seqs
-    if not sequences:
-        return []
-    adv = torch.cat(adv_all)
-    if normalize:
-        adv = whiten(adv)
-    ret = torch.cat(ret_all)
+def decision_advantages(episode: Episode, values: list[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:
+    """(advantages, returns) of an episode's decisions, in order, under the rule in
+    ``textrl.ppo.advantages``; ``values`` are the decisions' value estimates in the same order."""
+    rewards, discounts, first, counts = [], [], [], []
     k = 0
-    for s in sequences:
+    for step in episode.steps:
+        n = len(step.action.decisions)
+        if n:
+            rewards.append(step.reward)
+            discounts.append(gamma)
+            first.append(values[k])
+            counts.append(n)
+            k += n
+        elif rewards:  # a turn without a decision: part of the previous turn's transition
+            rewards[-1] += discounts[-1] * step.reward
+            discounts[-1] *= gamma
+    if k != len(values):
+        raise ValueError(f"{len(values)} values for the {k} decisions of {episode.game}")
+    if not rewards:
+        return [], []
+    if episode.truncated and episode.bootstrap_value is None:
+        raise ValueError(f"the episode of {episode.game} was truncated but has no bootstrap value: "
+                         f"play training rollouts with play(..., bootstrap=True)")
+    last = episode.bootstrap_value if episode.truncated else 0.0
+    f64 = torch.float64
+    _, turn_returns = gae(torch.tensor(rewards, dtype=f64), torch.tensor(first, dtype=f64),
+                          torch.tensor(discounts, dtype=f64), lam, last)
+    returns = torch.repeat_interleave(turn_returns, torch.tensor(counts))
+    return (returns - torch.tensor(values, dtype=f64)).tolist(), returns.tolist()
+
+
+def add_advantages(episodes: list[Episode], sequences: list[list[Sequence]], gamma: float, lam: float,
+                   normalize: bool = True) -> None:
+    """Fill ``advantages`` and ``returns`` of every sequence (``sequences[i]``: episode i's, from
+    ``episode_sequences``) from their ``old_values``; advantages are whitened over the rollout."""
+    flat, adv_all, ret_all = [], [], []
+    for episode, seqs in zip(episodes, sequences):
+        values = [v for s in seqs for v in s.old_values]
+        adv, ret = decision_advantages(episode, values, gamma, lam)
+        adv_all += adv
+        ret_all += ret
+        flat += seqs
+    adv = torch.tensor(adv_all, dtype=torch.float64)
+    if normalize and adv.numel():
+        adv = whiten(adv)
+    k = 0
+    for s in flat:
         n = len(s.tokens)
         s.advantages = adv[k: k + n].tolist()
-        s.returns = ret[k: k + n].tolist()
+        s.returns = ret_all[k: k + n]
         k += n
-    return sequences
 
 
-def minibatches(sequences: list[Sequence], size: int, epochs: int, rng: random.Random):
-    """``epochs`` shuffled passes over the sequences, ``size`` sequences at a time."""
+def optimizer_steps(sequences: list[Sequence], minibatch_size: int, grad_accum: int, epochs: int,
+                    rng: random.Random) -> list[list[list[Sequence]]]:
+    """``epochs`` shuffled passes over the sequences, as optimizer steps of up to ``grad_accum``
+    minibatches of ``minibatch_size`` sequences (each pass's last step may be smaller)."""
+    steps = []
     for _ in range(epochs):
         order = list(range(len(sequences)))
         rng.shuffle(order)
-        for i in range(0, len(order), size):
-            yield [sequences[j] for j in order[i: i + size]]
+        batches = [[sequences[j] for j in order[i: i + minibatch_size]] for i in range(0, len(order), minibatch_size)]
+        steps += [batches[i: i + grad_accum] for i in range(0, len(batches), grad_accum)]
+    return steps

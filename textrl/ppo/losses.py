@@ -15,13 +15,17 @@ from textrl.policy.decoding import masked_logprobs
 
 @dataclass
 class PPOTerms:
-    total: torch.Tensor
-    policy: torch.Tensor
-    value: torch.Tensor
-    entropy: torch.Tensor
-    approx_kl: torch.Tensor  # k3 estimator of KL(old || new): mean((r - 1) - log r)
-    clipfrac: torch.Tensor  # fraction of decisions whose ratio left [1 - clip, 1 + clip]
-    ratio_mean: torch.Tensor
+    """``loss`` is what to backpropagate; the rest are sums over the minibatch's decisions (divide
+    by the decision count for means), detached, for logging."""
+
+    loss: torch.Tensor  # (sum of per-decision losses) / normalizer
+    policy: torch.Tensor  # clipped surrogate, summed
+    value: torch.Tensor  # 0.5 (V - R)^2, summed
+    entropy: torch.Tensor  # entropy over the allowed tokens, summed
+    approx_kl: torch.Tensor  # k3 estimator of KL(old || new), (r - 1) - log r, summed
+    clipped: torch.Tensor  # number of decisions whose ratio left [1 - clip, 1 + clip]
+    ratio: torch.Tensor  # sum of the ratios
+    log_ratio: torch.Tensor  # per decision (detached): rollout/update agreement on fresh data
 
 
 def entropy_over_allowed(logprobs: torch.Tensor) -> torch.Tensor:
@@ -32,19 +36,27 @@ def entropy_over_allowed(logprobs: torch.Tensor) -> torch.Tensor:
 
 def ppo_loss(logits: torch.Tensor, allowed: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor,
              old_logprobs: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor, returns: torch.Tensor,
-             clip: float, vf_coef: float, ent_coef: float) -> PPOTerms:
+             clip: float, vf_coef: float, ent_coef: float, normalizer: float) -> PPOTerms:
+    """Clipped PPO loss of a minibatch's decisions, summed and divided by ``normalizer``.
+
+    ``normalizer`` is the number of decisions in the whole optimizer step this minibatch belongs
+    to: the gradients of its minibatches then add up to the gradient of the mean over all of the
+    step's decisions, however the step is split (each decision weighs the same, whether it comes
+    from a one-turn win or a thirty-turn failure).
+    """
     logp_all = masked_logprobs(logits / temperatures[:, None], allowed, 1.0)
     logp = logp_all.gather(1, tokens[:, None]).squeeze(1)
     log_ratio = logp - old_logprobs
     ratio = log_ratio.exp()
-    policy = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip)).mean()
-    value = 0.5 * (values - returns).pow(2).mean()
-    entropy = entropy_over_allowed(logp_all).mean()
+    policy = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip)).sum()
+    value = 0.5 * (values - returns).pow(2).sum()
+    entropy = entropy_over_allowed(logp_all).sum()
+    loss = (policy + vf_coef * value - ent_coef * entropy) / normalizer
     with torch.no_grad():
-        approx_kl = ((ratio - 1) - log_ratio).mean()
-        clipfrac = ((ratio - 1).abs() > clip).float().mean()
-    return PPOTerms(policy + vf_coef * value - ent_coef * entropy, policy, value, entropy, approx_kl, clipfrac,
-                    ratio.detach().mean())
+        approx_kl = ((ratio - 1) - log_ratio).sum()
+        clipped = ((ratio - 1).abs() > clip).sum().float()
+    return PPOTerms(loss, policy.detach(), value.detach(), entropy.detach(), approx_kl, clipped,
+                    ratio.detach().sum(), log_ratio.detach())
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:

@@ -1,44 +1,20 @@
-"""Lightning callbacks and plugins that textrl adds: temperature decay and atomic checkpoints."""
+"""How textrl writes and reads checkpoints: atomically, and without unpickling code."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 
-class TemperatureSchedule(L.Callback):
-    """Sampling temperature x ``decay`` after every iteration, never below ``floor``.
-
-    Its state is saved in checkpoints by Lightning, so a resumed run samples at the same temperature.
-    """
-
-    def __init__(self, start: float, decay: float, floor: float):
-        self.temperature = start
-        self.decay = decay
-        self.floor = floor
-
-    def on_train_start(self, trainer, pl_module):
-        pl_module.temperature = self.temperature
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        self.temperature = max(self.floor, self.temperature * self.decay)
-        pl_module.temperature = self.temperature
-
-    def state_dict(self):
-        return {"temperature": self.temperature}
-
-    def load_state_dict(self, state_dict):
-        self.temperature = state_dict["temperature"]
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write to a temporary file in the same directory, fsync, then rename over the target.
+    """Write to a temporary file in the same directory, fsync, then rename over the target: a run
+    killed mid-write leaves the previous checkpoint intact (rename is atomic on POSIX).
 
-    A run killed mid-write leaves the previous checkpoint intact (rename is atomic on POSIX).
+    Reads with ``weights_only=True``: a shared checkpoint is data, and unpickling it must not be
+    able to run code (``textrl.policy.checkpoint.load`` lists the few types it may hold).
     """
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
@@ -53,3 +29,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        from textrl.policy.checkpoint import load
+
+        return load(path)

@@ -1,34 +1,23 @@
-"""Rollouts as a Lightning DataModule.
+"""The games each PPO iteration plays, as a Lightning DataModule.
 
-``RolloutDataset.__iter__`` runs once per epoch (= PPO iteration): it plays one episode in each of
-``env.num_envs`` training games with the current policy, turns the episodes into sequences with
-GAE advantages, and yields shuffled minibatches for ``ppo.epochs`` passes. The validation loader
-yields the fixed held-out evaluation games in batches.
+``games_for_iteration(k)`` is this rank's share of iteration k's ``env.num_envs`` training games;
+``PPOModule.training_step`` asks for it and runs the whole PPO iteration (rollout, advantages,
+update). The training loader only paces Lightning: one item per epoch, so one training step per
+iteration. (It cannot carry the games: Lightning fetches the first item before it settles the
+epoch number when it resumes from a checkpoint written at the end of an epoch.) The validation
+loader yields the fixed held-out evaluation games in batches.
 """
 
 from __future__ import annotations
 
 import random
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
-import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from textrl.config import TrainConfig
 from textrl.games.pool import GamePool
-from textrl.ppo.buffer import Sequence, build_sequences, minibatches
-from textrl.ppo.losses import correlation, explained_variance
-from textrl.rollout import episode_metrics
-
-
-@dataclass
-class Minibatch:
-    sequences: list[Sequence]
-    first: bool  # first minibatch of the iteration (weights not yet updated)
-    last: bool  # last one: flush accumulated gradients
 
 
 def _as_is(item):
@@ -38,37 +27,6 @@ def _as_is(item):
 def iteration_rng(seed: int, iteration: int) -> random.Random:
     """Game order and minibatch order depend only on (seed, iteration): a resumed run repeats them."""
     return random.Random(seed * 1_000_003 + iteration)
-
-
-class RolloutDataset(IterableDataset):
-    def __init__(self, datamodule: "RolloutDataModule"):
-        self.dm = datamodule
-
-    def __iter__(self):
-        dm = self.dm
-        module = dm.trainer.lightning_module
-        cfg = dm.cfg
-        iteration = module.current_epoch
-        start = time.perf_counter()
-        episodes = module.play(dm.games_for_iteration(iteration), greedy=False)
-        rollout_s = time.perf_counter() - start
-        sequences = build_sequences(episodes, cfg.ppo.gamma, cfg.ppo.lam, cfg.ppo.normalize_advantages)
-        values = torch.tensor([v for s in sequences for v in s.old_values])
-        returns = torch.tensor([r for s in sequences for r in s.returns])
-        stats = module._last_play
-        module.rollout_episodes = float(len(episodes))
-        module.rollout_metrics = {
-            **episode_metrics(episodes, "rollout"),
-            "rollout/decisions_per_s": stats.decisions_per_s,
-            "rollout/decisions": float(stats.decisions),
-            "perf/rollout_s": rollout_s,
-            "value/explained_variance": explained_variance(values, returns),
-            "value/corr": correlation(values, returns),
-        }
-        sequences = dm.equalize_across_ranks(sequences)
-        batches = list(minibatches(sequences, cfg.ppo.minibatch_size, cfg.ppo.epochs, iteration_rng(cfg.seed, iteration)))
-        for i, batch in enumerate(batches):
-            yield Minibatch(batch, first=i == 0, last=i == len(batches) - 1)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -104,20 +62,9 @@ class RolloutDataModule(L.LightningDataModule):
         rank, world = self._rank_world
         return games[rank::world]
 
-    def equalize_across_ranks(self, sequences: list[Sequence]) -> list[Sequence]:
-        """DDP needs the same number of backward passes on every rank: a rank with fewer sequences
-        repeats some of its own (in order) up to the largest count."""
-        rank, world = self._rank_world
-        if world == 1 or not sequences:
-            return sequences
-        import torch.distributed as dist
-
-        count = torch.tensor(len(sequences), device=self.trainer.strategy.root_device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return [sequences[i % len(sequences)] for i in range(int(count))]
-
     def train_dataloader(self):
-        return DataLoader(RolloutDataset(self), batch_size=None, collate_fn=_as_is)
+        # one item (not None: Lightning skips a step whose batch is None), one training step per epoch
+        return DataLoader(["iteration"], batch_size=None, collate_fn=_as_is)
 
     def val_dataloader(self):
         rank, world = self._rank_world

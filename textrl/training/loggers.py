@@ -18,19 +18,34 @@ log = logging.getLogger(__name__)
 
 class ResumableCSVLogger(CSVLogger):
     """CSVLogger that keeps an existing ``metrics.csv`` (Lightning's deletes it), so a resumed run
-    appends to its own history instead of starting a new one."""
+    appends to its own history instead of starting a new one. Rows of iterations after
+    ``resume_iteration`` (written by a run killed before that iteration's checkpoint) are dropped:
+    the resumed run plays those iterations again. Every row is flushed as it is logged
+    (Lightning's default keeps 100 steps in memory, which a killed run would lose)."""
+
+    def __init__(self, *args, resume_iteration: int | None = None, **kwargs):
+        super().__init__(*args, flush_logs_every_n_steps=1, **kwargs)
+        self.resume_iteration = resume_iteration
 
     @property
     def experiment(self):
         if self._experiment is not None:
             return self._experiment
         path = Path(self.log_dir) / "metrics.csv"
-        previous = path.read_text() if path.is_file() else None
-        writer = super().experiment
-        if previous:
-            path.write_text(previous)
+        rows, keys = [], []
+        if path.is_file():
             with open(path, newline="") as f:
-                writer.metrics_keys = list(csv.DictReader(f).fieldnames or [])
+                reader = csv.DictReader(f)
+                keys = list(reader.fieldnames or [])
+                rows = [r for r in reader if self.resume_iteration is None
+                        or not r.get("iteration") or float(r["iteration"]) <= self.resume_iteration]
+        writer = super().experiment
+        if keys:
+            with open(path, "w", newline="") as f:
+                out = csv.DictWriter(f, fieldnames=keys)
+                out.writeheader()
+                out.writerows(rows)
+            writer.metrics_keys = keys
         return writer
 
 
@@ -42,21 +57,39 @@ class WandbIdCallback(L.Callback):
             checkpoint.setdefault("textrl", {})["wandb_id"] = trainer.logger.experiment.id
 
 
-def make_logger(cfg: TrainConfig, run_dir: Path, resume_state: dict | None):
+def wandb_api_key() -> str | None:
+    """The W&B key the way wandb finds it: $WANDB_API_KEY, else the netrc entry `wandb login`
+    writes for the W&B host ($NETRC or ~/.netrc)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return os.environ["WANDB_API_KEY"]
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc")).expanduser()
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host) if path.is_file() else None
+    except (netrc.NetrcParseError, OSError) as exc:
+        log.warning("W&B: cannot read %s (%s)", path, exc)
+        return None
+    return entry[2] if entry else None
+
+
+def make_logger(cfg: TrainConfig, run_dir: Path, resume_state: dict | None, resume_iteration: int | None = None):
     name = cfg.logger.name
     if name == "csv":
-        return ResumableCSVLogger(save_dir=run_dir, name="", version="logs")
+        return ResumableCSVLogger(save_dir=run_dir, name="", version="logs", resume_iteration=resume_iteration)
     if name == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
 
         return TensorBoardLogger(save_dir=run_dir, name="", version="logs")  # event files append
     from lightning.pytorch.loggers import WandbLogger
 
-    if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") is None:
-        os.environ["WANDB_MODE"] = "offline"
-    offline = os.environ.get("WANDB_MODE") == "offline"
-    if offline:
-        log.info("W&B: no API key configured, logging offline to %s/wandb (upload later with `wandb sync`)", run_dir)
+    mode = os.environ.get("WANDB_MODE")
+    offline = mode == "offline" or (mode is None and not wandb_api_key())
+    if offline and mode is None:
+        log.info("W&B: no API key ($WANDB_API_KEY or `wandb login`), logging offline to %s/wandb "
+                 "(upload later with `wandb sync`)", run_dir)
     run_id = (resume_state or {}).get("wandb_id")
     return WandbLogger(project=cfg.logger.project, save_dir=str(run_dir), group=cfg.experiment or "default",
                        tags=[f"seed={cfg.seed}"], name=f"{cfg.experiment or 'run'}-seed{cfg.seed}",

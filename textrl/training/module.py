@@ -1,17 +1,26 @@
-"""The PPO LightningModule: rollouts come from the DataModule, updates happen here.
+"""The PPO LightningModule: one PPO iteration, top to bottom, in ``training_step``.
 
-One Lightning epoch is one PPO iteration. ``training_step`` receives a minibatch of sequences
-(prompt + command tokens of consecutive turns, see ``textrl.ppo.buffer``), runs one forward per
-sequence, reads the logits and values at the decision positions and applies the clipped PPO loss.
+One Lightning epoch is one PPO iteration and has exactly one training step, which plays the
+iteration's training games (``RolloutDataModule.games_for_iteration``) and reads as the algorithm:
+
+1. rollout: play one episode per game with the current policy, sampling at this iteration's
+   temperature, each episode with its own seed;
+2. sequences and old log-probs: merge turns into sequences; under mixed precision recompute the
+   old log-probs and values with the update's own forward;
+3. advantages: GAE per turn (``textrl.ppo.advantages``);
+4. update: ``ppo.epochs`` shuffled passes, each optimizer step the mean loss over its decisions,
+   gradients clipped (LM and value head separately), the LR schedule stepped once;
+5. metrics: logged at once, for this iteration.
+
 Optimization is manual because gradient accumulation and clipping are PPO settings (Lightning
 refuses them on the Trainer under manual optimization) and the LR schedule steps per iteration.
+Evaluation is Lightning's validation loop: greedy play on the held-out games.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import random
 import resource
 import time
 from collections import defaultdict
@@ -21,28 +30,30 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-from textrl.config import TrainConfig
+from textrl.config import PPOConfig, TrainConfig
 from textrl.games.env import TextGame
 from textrl.games.pool import DIFFICULTIES
 from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import ConstrainedDecoder
+from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
-from textrl.ppo.buffer import Sequence
-from textrl.ppo.losses import ppo_loss
-from textrl.rollout import Episode, episode_metrics, play
+from textrl.ppo.buffer import Sequence, add_advantages, episode_sequences, optimizer_steps
+from textrl.ppo.losses import PPOTerms, correlation, explained_variance, ppo_loss
+from textrl.rollout import Episode, episode_metrics, episode_seeds, play
+from textrl.training.datamodule import iteration_rng
 from textrl.transcripts import write_transcripts
 
 
-def disable_dropout(model: torch.nn.Module) -> None:
-    """PPO's ratio is 1 on fresh data only if the update sees the rollout's exact function."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    config = getattr(model, "config", None)
-    for key in list(vars(config)) if config is not None else []:
-        if ("dropout" in key or "pdrop" in key) and isinstance(getattr(config, key), float):
-            setattr(config, key, 0.0)
+def temperature_at(ppo: PPOConfig, iteration: int) -> float:
+    """The sampling temperature of iteration ``iteration`` (0-based): T0 x decay^iteration, floored."""
+    return max(ppo.temperature_min, ppo.temperature * ppo.temperature_decay ** iteration)
+
+
+def lr_factor(iteration: int, iterations: int, floor: float) -> float:
+    """The LM's cosine schedule: 1 at the first iteration, ``floor`` at the last one."""
+    if iterations <= 1:
+        return 1.0
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(iteration, iterations - 1) / (iterations - 1)))
 
 
 class PPOModule(L.LightningModule):
@@ -50,58 +61,117 @@ class PPOModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = not cfg.memory.lora  # LoRA checkpoints leave out the frozen base weights
-        self.rollout_episodes = 0.0
         self.cfg = cfg
         self.policy = policy
-        disable_dropout(policy.lm)
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer, cfg.env.max_prompt_tokens, cfg.env.list_commands)
         self.decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
         self.max_steps = cfg.env.max_steps or DIFFICULTIES[cfg.env.difficulty].max_steps
-        self.temperature = cfg.ppo.temperature  # decayed by the TemperatureSchedule callback
-        self.sampler = torch.Generator().manual_seed(cfg.seed)  # rollout sampling only
-        self.rollout_metrics: dict[str, float] = {}
-        self._stats: dict[str, list[float]] = defaultdict(list)
-        self._micro = 0
-        self._update_start = 0.0
-        self._update_tokens = 0
         self._eval_episodes: list[Episode] = []
+        self._eval_start = 0.0
+        self.iterations_done = 0  # completed PPO iterations (saved in checkpoints)
 
-    # ---- rollouts -------------------------------------------------------------------------
-    def play(self, games: list[Path], greedy: bool) -> list[Episode]:
+    # ---- one PPO iteration ------------------------------------------------------------------
+    def training_step(self, batch: str, batch_idx: int) -> None:
+        cfg, p = self.cfg, self.cfg.ppo
+        iteration = self.current_epoch
+        games = self.trainer.datamodule.games_for_iteration(iteration)
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        temperature = temperature_at(p, iteration)
+        lr_lm, lr_value = (g["lr"] for g in optimizer.param_groups)  # the rates this iteration uses
+
+        # 1. Rollout: one episode per game, each sampled with its own seed
+        start = time.perf_counter()
+        seeds = episode_seeds(cfg.seed, iteration, games)
+        episodes, stats = self.play(games, temperature=temperature, seeds=seeds)
+        rollout_s = time.perf_counter() - start
+
+        # 2. Sequences and the optimizer steps over them; the old log-probs and values
+        start = time.perf_counter()
+        per_episode = [episode_sequences(e) for e in episodes]
+        sequences = self._equalize_across_ranks([s for seqs in per_episode for s in seqs])
+        steps = optimizer_steps(sequences, p.minibatch_size, p.grad_accum, p.epochs, iteration_rng(cfg.seed, iteration))
+        first_pass = steps[: len(steps) // p.epochs]  # every pass has the same number of steps
+        recomputed = self._recompute_old(first_pass) if p.recompute_old else {}
+        recompute_s = time.perf_counter() - start
+
+        # 3. Advantages: GAE per turn, from the (possibly recomputed) old values
+        add_advantages(episodes, per_episode, p.gamma, p.lam, p.normalize_advantages)
+
+        # 4. Update: each optimizer step minimises the mean loss over its decisions
+        start = time.perf_counter()
+        sums: dict[str, float] = defaultdict(float)
+        tokens = 0
+        for s, (step, normalizer) in enumerate(zip(steps, self._step_normalizers(steps))):
+            for m, minibatch in enumerate(step):
+                terms, n_tokens = self._loss(minibatch, normalizer)
+                self.manual_backward(terms.loss)
+                tokens += n_tokens
+                _accumulate(sums, terms)
+                if s == 0 and m == 0:  # fresh data, unchanged weights: every ratio must be 1
+                    sums["first_logratio_max"] = float(terms.log_ratio.abs().max())
+                    sums["first_logratio_mean"] = float(terms.log_ratio.abs().mean())
+            lm_norm, value_norm = self._clip_gradients(optimizer)
+            sums["grad_norm"] += lm_norm
+            sums["grad_norm_value"] += value_norm
+            sums["steps"] += 1
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        update_s = time.perf_counter() - start
+
+        # 5. Metrics of this iteration
+        old_values = torch.tensor([v for s in sequences for v in s.old_values])
+        returns = torch.tensor([r for s in sequences for r in s.returns])
+        n, n_steps = max(sums["decisions"], 1.0), max(sums["steps"], 1.0)
+        metrics = {
+            **episode_metrics(episodes, "rollout"),
+            "rollout/temperature": temperature,
+            "rollout/decisions": float(stats.decisions),
+            "rollout/decisions_per_s": stats.decisions_per_s,
+            "loss/policy": sums["policy"] / n, "loss/value": sums["value"] / n, "loss/entropy": sums["entropy"] / n,
+            "loss/total": (sums["policy"] + p.vf_coef * sums["value"] - p.ent_coef * sums["entropy"]) / n,
+            "policy/approx_kl": sums["approx_kl"] / n, "policy/clipfrac": sums["clipped"] / n,
+            "policy/ratio_mean": sums["ratio"] / n,
+            "policy/first_logratio_max": sums["first_logratio_max"],
+            "policy/first_logratio_mean": sums["first_logratio_mean"],
+            "value/explained_variance": explained_variance(old_values, returns),
+            "value/corr": correlation(old_values, returns),
+            "optim/lr_lm": lr_lm, "optim/lr_value": lr_value,
+            "optim/grad_norm": sums["grad_norm"] / n_steps, "optim/grad_norm_value": sums["grad_norm_value"] / n_steps,
+            "perf/rollout_s": rollout_s, "perf/update_s": update_s, "perf/tokens_per_s": tokens / max(update_s, 1e-9),
+            "perf/peak_mem_gb": peak_memory_gb(self.device), "iteration": float(iteration + 1),
+        }
+        if p.recompute_old:
+            metrics["perf/recompute_s"] = recompute_s
+            metrics["policy/rollout_logratio_max"] = recomputed["logratio_max"]
+        self.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=True)  # means over ranks
+        self.log("rollout/episodes", float(len(episodes)), on_step=True, on_epoch=False, sync_dist=True,
+                 reduce_fx="sum")
+        self.iterations_done = iteration + 1
+
+    # ---- the pieces training_step calls -------------------------------------------------------
+    def play(self, games: list[Path], temperature: float = 1.0, seeds: list[int] | None = None) -> tuple[list[Episode], object]:
+        """Sampled training episodes (with ``seeds``) or greedy evaluation episodes (without)."""
         envs = [TextGame(g, self.max_steps, self.cfg.env.step_penalty, self.cfg.env.win_bonus,
                          self.cfg.env.history_len) for g in games]
         # the same autocast as the update (bf16-mixed etc.), so rollout and update compute one function
         precision = self._trainer.precision_plugin.forward_context() if self._trainer else contextlib.nullcontext()
         was_training = self.policy.training
         self.policy.eval()  # gradient checkpointing (train mode only) would switch the KV cache off
+        greedy = seeds is None
         try:
             with precision:
-                episodes, stats = play(envs, self.decoder, self.prompts, temperature=self.temperature,
-                                       greedy=greedy, generator=self.sampler)
+                return play(envs, self.decoder, self.prompts, temperature=temperature, greedy=greedy, seeds=seeds,
+                            bootstrap=not greedy)
         finally:
             self.policy.train(was_training)
             for env in envs:
                 env.close()
             self.decoder.reset()  # free the KV cache between rollouts
-        self._last_play = stats
-        return episodes
-
-    # ---- update ---------------------------------------------------------------------------
-    def configure_optimizers(self):
-        p = self.cfg.ppo
-        optimizer = make_optimizer([q for q in self.policy.lm.parameters() if q.requires_grad],
-                                   list(self.policy.value_head.parameters()), self.cfg.memory,
-                                   p.lr_lm, p.lr_value, p.weight_decay)
-        total, floor = self.cfg.iterations, p.lr_lm_min / p.lr_lm
-
-        def cosine(it: int) -> float:  # LM: cosine from lr_lm to lr_lm_min over the run
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(it, total) / total))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [cosine, lambda it: 1.0])
-        return [optimizer], [{"scheduler": scheduler, "interval": "epoch"}]
 
     def _forward(self, batch: list[Sequence]):
+        """Logits, allowed masks and values at every decision of the sequences: one right-padded forward."""
         device = self.device
         width = max(len(s.input_ids) for s in batch)
         ids = torch.full((len(batch), width), self.tokenizer.pad_token_id, dtype=torch.long)
@@ -120,65 +190,87 @@ class PPOModule(L.LightningModule):
             allowed[i, a] = True
         return logits, allowed, self.policy.value(h), int(mask.sum())
 
-    def training_step(self, batch, batch_idx):
-        if batch.first:
-            self._update_start = time.perf_counter()
-        sequences = batch.sequences
+    def _flat(self, batch: list[Sequence], attr: str, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor([x for s in batch for x in getattr(s, attr)], dtype=dtype, device=self.device)
+
+    def _loss(self, batch: list[Sequence], normalizer: float) -> tuple[PPOTerms, int]:
         p = self.cfg.ppo
-        logits, allowed, values, n_tokens = self._forward(sequences)
+        logits, allowed, values, n_tokens = self._forward(batch)
+        terms = ppo_loss(logits, allowed, self._flat(batch, "tokens", torch.long), self._flat(batch, "temperatures"),
+                         self._flat(batch, "old_logprobs"), self._flat(batch, "advantages"), values,
+                         self._flat(batch, "returns"), p.clip, p.vf_coef, p.ent_coef, normalizer)
+        return terms, n_tokens
 
-        def flat(attr, dtype=torch.float32):
-            return torch.tensor([x for s in sequences for x in getattr(s, attr)], dtype=dtype, device=self.device)
+    @torch.no_grad()
+    def _recompute_old(self, steps: list[list[list[Sequence]]]) -> dict[str, float]:
+        """Replace the rollout's old log-probs and values with the update's own forward, over the
+        first pass's minibatches (the same shapes the first update sees). Returns how far the
+        rollout's log-probs were from them."""
+        worst = 0.0
+        for minibatch in (mb for step in steps for mb in step):
+            logits, allowed, values, _ = self._forward(minibatch)
+            temps = self._flat(minibatch, "temperatures")
+            logp = masked_logprobs(logits / temps[:, None], allowed, 1.0)
+            logp = logp.gather(1, self._flat(minibatch, "tokens", torch.long)[:, None]).squeeze(1).cpu()
+            values = values.float().cpu()
+            k = 0
+            for s in minibatch:
+                n = len(s.tokens)
+                new = logp[k: k + n]
+                worst = max(worst, float((new - torch.tensor(s.old_logprobs)).abs().max()))
+                s.old_logprobs, s.old_values = new.tolist(), values[k: k + n].tolist()
+                k += n
+        return {"logratio_max": worst}
 
-        terms = ppo_loss(logits, allowed, flat("tokens", torch.long), flat("temperatures"), flat("old_logprobs"),
-                         flat("advantages"), values, flat("returns"), p.clip, p.vf_coef, p.ent_coef)
-        self.manual_backward(terms.total / p.grad_accum)
-        self._micro += 1
-        self._update_tokens += n_tokens
-        if batch.first:  # fresh data, unchanged weights: the ratio must be exactly 1
-            self._stats["first_ratio_dev"].append(float((terms.ratio_mean - 1).abs()))
-        for key in ["total", "policy", "value", "entropy", "approx_kl", "clipfrac", "ratio_mean"]:
-            self._stats[key].append(float(getattr(terms, key).detach()))
-        if self._micro % p.grad_accum == 0 or batch.last:
-            optimizer = self.optimizers()
-            params = [q for group in optimizer.param_groups for q in group["params"]]
-            # fp16: gradients are still multiplied by the loss scale here (the precision plugin
-            # unscales inside step()); clipping the scaled norm at max_norm * scale is the same clip
-            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-            scale = float(scaler.get_scale()) if scaler is not None else 1.0
-            norm = torch.nn.utils.clip_grad_norm_(params, p.max_grad_norm * scale) / scale
-            self._stats["grad_norm"].append(float(norm))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            self._micro = 0
+    def _step_normalizers(self, steps: list[list[list[Sequence]]]) -> list[float]:
+        """Per optimizer step, the number of decisions it holds over all ranks, divided by the world
+        size (DDP averages the ranks' gradients): the step's gradient is then the mean over its decisions."""
+        counts = torch.tensor([float(sum(len(s.tokens) for mb in step for s in mb)) for step in steps],
+                              device=self.device)
+        world = self.trainer.world_size
+        if world > 1:
+            counts = self.trainer.strategy.reduce(counts, reduce_op="sum") / world
+        return [max(float(c), 1e-9) for c in counts]
 
-    def on_train_epoch_end(self):
-        update_s = time.perf_counter() - self._update_start
-        scheduler = self.lr_schedulers()
-        groups = self.optimizers().param_groups
-        metrics = dict(self.rollout_metrics)
-        names = {"total": "loss/total", "policy": "loss/policy", "value": "loss/value", "entropy": "loss/entropy",
-                 "approx_kl": "policy/approx_kl", "clipfrac": "policy/clipfrac", "ratio_mean": "policy/ratio_mean",
-                 "first_ratio_dev": "policy/first_ratio_dev", "grad_norm": "optim/grad_norm"}
-        for key, values in self._stats.items():
-            metrics[names[key]] = sum(values) / len(values)
-        metrics.update({
-            "optim/lr_lm": groups[0]["lr"], "optim/lr_value": groups[1]["lr"], "rollout/temperature": self.temperature,
-            "perf/update_s": update_s, "perf/tokens_per_s": self._update_tokens / max(update_s, 1e-9),
-            "perf/peak_mem_gb": peak_memory_gb(self.device), "iteration": float(self.current_epoch + 1),
-        })
-        self.log_dict(metrics, on_epoch=True, sync_dist=True)  # means over ranks
-        self.log("rollout/episodes", self.rollout_episodes, on_epoch=True, sync_dist=True, reduce_fx="sum")
-        self._stats.clear()
-        self._update_tokens = 0
-        scheduler.step()
+    def _equalize_across_ranks(self, sequences: list[Sequence]) -> list[Sequence]:
+        """DDP needs the same number of backward passes on every rank: a rank with fewer sequences
+        repeats some of its own (in order) up to the largest count."""
+        if self.trainer.world_size == 1 or not sequences:
+            return sequences
+        count = self.trainer.strategy.reduce(torch.tensor(len(sequences), device=self.device), reduce_op="max")
+        return [sequences[i % len(sequences)] for i in range(int(count))]
+
+    def _clip_gradients(self, optimizer) -> tuple[float, float]:
+        """Clip the LM's and the value head's gradient norms separately, each at ``max_grad_norm``:
+        clipped together, the larger one (usually the LM's) would scale the other down, and
+        ``vf_coef`` would act only through the clip. Returns both norms before clipping."""
+        # fp16: gradients are still multiplied by the loss scale here (the precision plugin
+        # unscales inside step()); clipping the scaled norm at max_norm * scale is the same clip
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        max_norm = self.cfg.ppo.max_grad_norm * scale
+        lm, value = (group["params"] for group in optimizer.param_groups)
+        return (float(torch.nn.utils.clip_grad_norm_(lm, max_norm)) / scale,
+                float(torch.nn.utils.clip_grad_norm_(value, max_norm)) / scale)
+
+    def configure_optimizers(self):
+        p = self.cfg.ppo
+        optimizer = make_optimizer([q for q in self.policy.lm.parameters() if q.requires_grad],
+                                   list(self.policy.value_head.parameters()), self.cfg.memory,
+                                   p.lr_lm, p.lr_value, p.weight_decay)
+        total, floor = self.cfg.iterations, p.lr_lm_min / p.lr_lm
+        # stepped once per iteration by training_step (manual optimization: Lightning does not step it)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda it: lr_factor(it, total, floor),
+                                                                  lambda it: 1.0])
+        return [optimizer], [scheduler]
 
     # ---- evaluation -----------------------------------------------------------------------
     def on_validation_epoch_start(self):
         self._eval_episodes = []
+        self._eval_start = time.perf_counter()
 
     def validation_step(self, batch, batch_idx):
-        self._eval_episodes += self.play(batch, greedy=True)
+        self._eval_episodes += self.play(batch)[0]
 
     def on_validation_epoch_end(self):
         # inside fit, validation follows the update of epoch k (iteration k + 1); a stand-alone
@@ -187,6 +279,7 @@ class PPOModule(L.LightningModule):
         episodes = self._eval_episodes
         metrics = episode_metrics(episodes, "eval")
         metrics["iteration"] = float(iteration)
+        metrics["perf/eval_s"] = time.perf_counter() - self._eval_start
         self.log_dict(metrics, on_epoch=True, sync_dist=True)
         self.log("eval/games", float(len(episodes)), on_epoch=True, sync_dist=True, reduce_fx="sum")
         if self.cfg.eval.transcripts and self.trainer.is_global_zero:
@@ -197,23 +290,24 @@ class PPOModule(L.LightningModule):
 
     # ---- checkpoint state beyond weights/optimizer/scheduler ----------------------------------
     def on_save_checkpoint(self, checkpoint):
+        # Nothing random needs saving: sampling seeds, game order and minibatch order all derive
+        # from (seed, iteration), and the temperature from the iteration.
         if self.cfg.memory.lora:  # adapters + value head only: the frozen base comes from the model config
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                         if "lora_" in k or k.startswith("policy.value_head.")}
         checkpoint.setdefault("textrl", {}).update({
             "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
-            "temperature": self.temperature,
-            "sampler": self.sampler.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
+            "iterations_done": self.iterations_done,
         })
 
     def on_load_checkpoint(self, checkpoint):
-        state = checkpoint["textrl"]
-        self.temperature = state["temperature"]
-        self.sampler.set_state(state["sampler"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
+        self.iterations_done = checkpoint["textrl"]["iterations_done"]
+
+
+def _accumulate(sums: dict[str, float], terms: PPOTerms) -> None:
+    for key in ("policy", "value", "entropy", "approx_kl", "clipped", "ratio"):
+        sums[key] += float(getattr(terms, key))
+    sums["decisions"] += terms.log_ratio.numel()
 
 
 def peak_memory_gb(device: torch.device) -> float:
