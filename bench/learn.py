@@ -5,22 +5,28 @@ held-out evaluation changed.
     python bench/learn.py --out bench/results/x.json -- env=medium iterations=10
 
 Writes eval win rate / episode length at the start (iteration 0, untrained) and the end, the wall
-minutes, iterations, the exact command and the composed config.
+minutes, iterations, the mean per-iteration timings (rollout, recompute, update, evaluation), the
+resolved precision, whether the CPU computes bf16 natively, the torch version, the exact command
+and the composed config.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import platform
+import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import textrl.cli.train as cli
 from result import write_result  # bench/result.py (the script directory is on sys.path)
-from textrl.config import CONF_DIR
+from textrl.config import CONF_DIR, native_bf16
 
 
 def main(argv=None):
@@ -37,8 +43,15 @@ def main(argv=None):
     minutes = (time.perf_counter() - start) / 60
 
     with open(Path(result["run_dir"]) / "logs" / "metrics.csv") as f:
-        evals = [r for r in csv.DictReader(f) if r.get("eval/win_rate")]
+        rows = list(csv.DictReader(f))
+    evals = [r for r in rows if r.get("eval/win_rate")]
     first, last = evals[0], evals[-1]
+
+    def mean(key):
+        values = [float(r[key]) for r in rows if r.get(key)]
+        return round(statistics.fmean(values), 3) if values else None
+
+    resolved = result["module"].cfg
     out = {
         "eval_win_rate_start": float(first["eval/win_rate"]),
         "eval_win_rate_end": float(last["eval/win_rate"]),
@@ -49,6 +62,16 @@ def main(argv=None):
         "minutes": round(minutes, 1),
         "iterations": int(float(last["iteration"])),
         "eval_games": cfg.eval.games,
+        "seconds_per_iteration": {"rollout": mean("perf/rollout_s"), "recompute_old": mean("perf/recompute_s"),
+                                  "update": mean("perf/update_s"), "evaluation": mean("perf/eval_s")},
+        "rollout_logratio_max_mean": mean("policy/rollout_logratio_max"),
+        "first_logratio_max_mean": mean("policy/first_logratio_max"),
+        "precision": resolved.memory.precision,
+        "recompute_old": resolved.ppo.recompute_old,
+        "cpu_native_bf16": native_bf16(False),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
         "targets": {"eval_win_rate_end": 0.9, "eval_episode_len_end": 1.5, "minutes": 30},
         "config": OmegaConf.to_container(cfg, resolve=False),
     }

@@ -22,7 +22,7 @@ from textrl.games.pool import DIFFICULTIES, GamePool
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, Cursor, check_temperature, choose
 from textrl.policy.model import PolicyValueModel, build_policy
-from textrl.rollout import play
+from textrl.rollout import episode_seeds, play
 
 
 class NaiveDecoder:
@@ -36,7 +36,7 @@ class NaiveDecoder:
         pass
 
     @torch.no_grad()
-    def act(self, slots, prompts, tries, temperature=1.0, greedy=False, generator=None):
+    def act(self, slots, prompts, tries, temperature=1.0, greedy=False, rngs=None):
         temperature = check_temperature(temperature, greedy)
         cursors = [Cursor(trie) for trie in tries]
         seqs = [list(p) + c.new for p, c in zip(prompts, cursors)]
@@ -52,7 +52,7 @@ class NaiveDecoder:
             out = self.policy.lm(input_ids=ids, attention_mask=mask, position_ids=positions,
                                  output_hidden_states=True, logits_to_keep=0)  # all positions, as the seed
             choose(self.policy, out.hidden_states[-1][:, -1], [cursors[r] for r in live], temperature, greedy,
-                   generator)
+                   None if greedy else [rngs[r] for r in live])
             for r in live:
                 seqs[r] += cursors[r].new
         return [c.action(temperature) for c in cursors]
@@ -78,11 +78,11 @@ def main(argv=None):
     results = {}
     for name, decoder in [("cached", ConstrainedDecoder(policy, tokenizer.pad_token_id)),
                           ("naive", NaiveDecoder(policy, tokenizer.pad_token_id))]:
-        generator = torch.Generator().manual_seed(args.seed)
         seconds = decisions = turns = 0
-        for _ in range(args.rounds):
+        for k in range(args.rounds):
             envs = [TextGame(g, difficulty.max_steps) for g in games]
-            _, stats = play(envs, decoder, prompts, temperature=args.temperature, generator=generator)
+            _, stats = play(envs, decoder, prompts, temperature=args.temperature,
+                            seeds=episode_seeds(args.seed, k, games))
             seconds += stats.seconds
             decisions += stats.decisions
             turns += stats.turns

@@ -32,6 +32,22 @@ def test_defaults_are_easy_smollm2_csv():
     assert (cfg.env.difficulty, cfg.model.name, cfg.logger.name, cfg.memory.name) == ("easy", "smollm2", "csv", "auto")
 
 
+def test_the_dataclass_defaults_are_the_defaults_of_train_py():
+    """One source of truth: TrainConfig() built in code is the config `python train.py` composes."""
+    from omegaconf import OmegaConf
+
+    from textrl.config import validate
+
+    composed = OmegaConf.structured(compose_train())
+    built = OmegaConf.structured(validate(TrainConfig(output_dir="/tmp/unused")))
+    assert OmegaConf.to_container(built) == OmegaConf.to_container(composed)
+
+
+def test_no_circular_import_between_config_and_model():
+    code = "import textrl.config, sys; assert 'textrl.policy.model' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], cwd=CONF_DIR.parent).returncode == 0
+
+
 def test_auto_precision_is_bf16_exactly_where_the_cpu_has_native_bf16():
     cpu = ["trainer.accelerator=cpu"]
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

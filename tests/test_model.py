@@ -56,3 +56,24 @@ def test_unreachable_hub_model_says_where_it_looked(monkeypatch):
         build_policy(load_model_config("qwen"))
     message = str(err.value)
     assert "Qwen/Qwen2.5-0.5B-Instruct" in message and "Hugging Face cache" in message and "model.path" in message
+
+
+@pytest.mark.parametrize("name, arch", [
+    ("tiny", {"attention_dropout": 0.5}),
+    ("qwen", {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "attention_dropout": 0.5}),
+    ("gpt2", {"n_layer": 1, "n_embd": 64, "n_head": 4, "attn_pdrop": 0.5, "resid_pdrop": 0.5, "embd_pdrop": 0.5}),
+])
+def test_dropout_is_off_in_train_mode_for_models_whose_config_asks_for_it(name, arch):
+    """The update runs in train mode; PPO's first ratio is 1 only if that is the rollout's function.
+    Llama/Qwen copy attention_dropout into their modules at construction: zeroing the config after
+    building the model would leave it on."""
+    policy, tokenizer = build_policy(load_model_config(name, source="random", architecture=arch))
+    ids = torch.tensor([tokenizer.encode("You are in a kitchen. There is a key here, and a locked chest.")])
+    mask, positions = torch.ones_like(ids), torch.arange(ids.shape[1])[None]
+    policy.train()
+    with torch.no_grad():
+        first, second = (policy.logits(policy.hidden(ids, mask, positions)[0]) for _ in range(2))
+        policy.eval()
+        evaluated = policy.logits(policy.hidden(ids, mask, positions)[0])
+    assert torch.equal(first, second) and torch.allclose(first, evaluated, atol=1e-6)

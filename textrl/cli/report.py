@@ -80,12 +80,21 @@ def read_tensorboard(logs: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(logs), size_guidance={"scalars": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    # Lightning logs against its global step; every log_dict also holds "iteration", at the same step
-    iteration_at = {e.step: int(e.value) for e in events.Scalars("iteration")} if "iteration" in tags else {}
+    # Lightning logs against its step, and one step can hold two rows (the evaluation before
+    # training and the first iteration both log at step 0). Every row also holds "iteration":
+    # a point belongs to the "iteration" logged at its step at the nearest time (one log call).
+    marks = defaultdict(list)
+    for e in (events.Scalars("iteration") if "iteration" in tags else []):
+        marks[e.step].append((e.wall_time, int(e.value)))
+
+    def iteration_of(event) -> int:
+        near = min(marks.get(event.step, []), key=lambda m: abs(m[0] - event.wall_time), default=None)
+        return near[1] if near else event.step
+
     curves = {}
     for metric in EVAL + ROLLOUT:
         if metric in tags:
-            points = {iteration_at.get(e.step, e.step): e.value for e in events.Scalars(metric)}
+            points = {iteration_of(e): e.value for e in events.Scalars(metric)}
             curves[metric] = sorted(points.items())
     return curves
 

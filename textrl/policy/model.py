@@ -146,12 +146,13 @@ def _not_found(cfg: ModelConfig, location: str, exc: Exception) -> ModelNotFound
 
 
 def attn_implementation(cfg: ModelConfig) -> str:
-    """Scaled-dot-product attention, or flash attention 2 where it is installed and a GPU is present."""
-    if cfg.attn_implementation:
-        return cfg.attn_implementation
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+    """PyTorch's scaled-dot-product attention unless ``model.attn_implementation`` names another.
+
+    Never flash attention 2 by default: it refuses fp32 activations (``memory=none`` on a GPU), and
+    the decoder's KV cache has holes in its attention mask (docs/gpu.md), a case no test here can
+    run. SDPA takes any boolean mask on CPU and CUDA alike.
+    """
+    return cfg.attn_implementation or "sdpa"
 
 
 def _weights_location(cfg: ModelConfig, cache_dir: str | Path | None) -> str:
@@ -179,7 +180,10 @@ def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None, qu
 
     kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation(cfg)}
     if quantization is not None:
-        kwargs.update(quantization_config=quantization, dtype=torch.bfloat16)
+        # 4-bit weights are quantised as they are placed, so load them straight onto this process's
+        # GPU (its local rank under DDP), as PEFT/TRL do for QLoRA; CUDA only (validate refuses a CPU)
+        kwargs.update(quantization_config=quantization, dtype=torch.bfloat16,
+                      device_map={"": int(os.environ.get("LOCAL_RANK", 0))})
     if cfg.source == "random" and cfg.architecture:
         arch = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
                 "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,

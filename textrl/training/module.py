@@ -186,8 +186,8 @@ class PPOModule(L.LightningModule):
         h = hidden[rows, cols]
         logits = self.policy.logits(h)
         allowed = torch.zeros_like(logits, dtype=torch.bool)
-        for i, a in enumerate(a for s in batch for a in s.allowed):
-            allowed[i, a] = True
+        pairs = [(i, t) for i, a in enumerate(a for s in batch for a in s.allowed) for t in a]
+        allowed[torch.tensor([i for i, _ in pairs], device=device), torch.tensor([t for _, t in pairs], device=device)] = True
         return logits, allowed, self.policy.value(h), int(mask.sum())
 
     def _flat(self, batch: list[Sequence], attr: str, dtype=torch.float32) -> torch.Tensor:
