@@ -119,8 +119,8 @@ def update(policy, optimizer, dtype, scaler, device, seq_len, batch):
         n = len(rows)
         terms = ppo_loss(logits, allowed, torch.zeros(n, dtype=torch.long, device=device), torch.ones(n, device=device),
                          torch.full((n,), -1.8, device=device), torch.randn(n, generator=g).to(device),
-                         policy.value(h), torch.zeros(n, device=device), 0.2, 0.05, 0.01)
-    loss = terms.total
+                         policy.value(h), torch.zeros(n, device=device), 0.2, 0.05, 0.01, normalizer=n)
+    loss = terms.loss
     (scaler.scale(loss) if scaler else loss).backward()
     if scaler:
         scaler.unscale_(optimizer)
