@@ -5,7 +5,8 @@ held-out evaluation changed.
     python bench/learn.py --out bench/results/x.json -- env=medium iterations=10
 
 Writes eval win rate / episode length at the start (iteration 0, untrained) and the end, the wall
-minutes, iterations, the mean per-iteration timings (rollout, recompute, update, evaluation), the
+minutes of training (the one-off set-up, generating the game pool and converting the model, is
+done before the clock starts), iterations, the mean per-iteration timings (rollout, recompute, update, evaluation), the
 resolved precision, whether the CPU computes bf16 natively, the torch version, the exact command
 and the composed config.
 """
@@ -26,7 +27,9 @@ from omegaconf import OmegaConf
 
 import textrl.cli.train as cli
 from result import write_result  # bench/result.py (the script directory is on sys.path)
-from textrl.config import CONF_DIR, native_bf16
+from textrl.config import CONF_DIR, native_bf16, to_train_config
+from textrl.policy.model import load_tokenizer
+from textrl.training.datamodule import RolloutDataModule
 
 
 def main(argv=None):
@@ -38,6 +41,9 @@ def main(argv=None):
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"output_dir={args.run_dir}", *args.overrides])
+    prepared = to_train_config(cfg)
+    RolloutDataModule(prepared).prepare_data()  # generate (or find) the games
+    load_tokenizer(prepared.model, prepared.cache_dir)  # convert (or find) the model
     start = time.perf_counter()
     result = cli.train(cfg)
     minutes = (time.perf_counter() - start) / 60
