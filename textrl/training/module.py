@@ -39,7 +39,7 @@ from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.ppo.buffer import Sequence, add_advantages, episode_sequences, optimizer_steps
 from textrl.ppo.losses import PPOTerms, correlation, explained_variance, ppo_loss
-from textrl.rollout import Episode, episode_metrics, episode_seeds, play
+from textrl.rollout import Episode, RolloutStats, episode_metrics, episode_seeds, play
 from textrl.training.datamodule import iteration_rng
 from textrl.transcripts import write_transcripts
 
@@ -87,11 +87,11 @@ class PPOModule(L.LightningModule):
         rollout_s = time.perf_counter() - start
 
         # 2. Sequences and the optimizer steps over them; the old log-probs and values
-        start = time.perf_counter()
         per_episode = [episode_sequences(e) for e in episodes]
         sequences = self._equalize_across_ranks([s for seqs in per_episode for s in seqs])
         steps = optimizer_steps(sequences, p.minibatch_size, p.grad_accum, p.epochs, iteration_rng(cfg.seed, iteration))
         first_pass = steps[: len(steps) // p.epochs]  # every pass has the same number of steps
+        start = time.perf_counter()
         recomputed = self._recompute_old(first_pass) if p.recompute_old else {}
         recompute_s = time.perf_counter() - start
 
@@ -151,7 +151,7 @@ class PPOModule(L.LightningModule):
         self.iterations_done = iteration + 1
 
     # ---- the pieces training_step calls -------------------------------------------------------
-    def play(self, games: list[Path], temperature: float = 1.0, seeds: list[int] | None = None) -> tuple[list[Episode], object]:
+    def play(self, games: list[Path], temperature: float = 1.0, seeds: list[int] | None = None) -> tuple[list[Episode], RolloutStats]:
         """Sampled training episodes (with ``seeds``) or greedy evaluation episodes (without)."""
         envs = [TextGame(g, self.max_steps, self.cfg.env.step_penalty, self.cfg.env.win_bonus,
                          self.cfg.env.history_len) for g in games]
