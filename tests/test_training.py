@@ -278,3 +278,20 @@ def test_wandb_uses_the_key_that_wandb_login_stored_in_netrc(tmp_path, monkeypat
     assert logger._offline is False
     monkeypatch.setenv("NETRC", str(tmp_path / "missing"))
     assert make_logger(config(tmp_path, "logger=wandb"), tmp_path, None)._offline is True
+
+
+def test_resuming_drops_the_logged_rows_of_the_iteration_the_kill_interrupted(tmp_path):
+    """A run killed after logging iteration 3 but before its checkpoint resumes from iteration 2:
+    iteration 3 is played again, so its first rows must go (the evaluation before training stays)."""
+    from textrl.training.loggers import ResumableCSVLogger
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rows = ["epoch,iteration,eval/win_rate,loss/policy", "0,0.0,0.1,", "0,1.0,,0.5", "1,2.0,,0.4", "1,2.0,0.3,",
+            "2,3.0,,0.2"]
+    (logs / "metrics.csv").write_text("\n".join(rows) + "\n")
+    logger = ResumableCSVLogger(save_dir=tmp_path, name="", version="logs", resume_iteration=2)
+    logger.log_metrics({"iteration": 3.0, "loss/policy": 0.25}, step=3)
+    logger.save()
+    assert [(r["iteration"], r["loss/policy"]) for r in read_metrics(tmp_path)] == [
+        ("0.0", ""), ("1.0", "0.5"), ("2.0", "0.4"), ("2.0", ""), ("3.0", "0.25")]
