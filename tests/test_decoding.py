@@ -108,6 +108,8 @@ def assert_matches_fresh_forward(policy, episodes, temperature):
                 logp, value = fresh_forward(policy, step, d, temperature)
                 assert float(logp[d.token]) == pytest.approx(d.logprob, abs=1e-5)
                 assert value == pytest.approx(d.value, abs=1e-5)
+                allowed = logp[d.allowed]
+                assert float(-(allowed.exp() * allowed).sum()) == pytest.approx(d.entropy, abs=1e-5)
                 checked += 1
     return checked
 

@@ -21,6 +21,7 @@ from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.module import PPOModule
 
 SMALL = ["model=tiny", "env.num_envs=4", "env.pool_size=8", "eval.games=4", "eval.batch=4", "eval.transcripts=2",
+         "eval.train_games=2",
          "ppo.epochs=2", "ppo.minibatch_size=2", "ppo.grad_accum=2", "trainer.accelerator=cpu"]
 
 
@@ -67,6 +68,10 @@ def test_two_iterations_end_to_end(tmp_path):
                 "rollout/temperature", "perf/rollout_s", "perf/update_s", "perf/tokens_per_s"]:
         assert train_rows[0][key] != "", key
     assert all(r["perf/eval_s"] != "" for r in eval_rows) and all(not r.get("perf/eval_s") for r in train_rows)
+    # fit vs generalisation: greedy play on fixed training games beside the held-out ones, and how
+    # undecided the verb choice (first fork) is
+    assert all(r["eval/train_win_rate"] != "" and float(r["eval/first_fork_entropy"]) > 0 for r in eval_rows)
+    assert all(float(r["eval/games"]) == 4 for r in eval_rows)  # held-out games only
     # the temperature this iteration's rollout sampled at: T0 at the first iteration, T0 x 0.995 at the second
     assert [float(r["rollout/temperature"]) for r in train_rows] == pytest.approx([1.0, 0.995])
     # cosine from lr_lm at the first iteration to exactly lr_lm_min at the last
@@ -170,8 +175,8 @@ def test_a_run_killed_with_sigkill_resumes_from_last_ckpt_like_an_uninterrupted_
 
     killed = tmp_path / "killed"
     last = killed / "checkpoints" / "last.ckpt"
-    proc = subprocess.Popen([*args, f"hydra.run.dir={killed}"], cwd=CONF_DIR.parent,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen([*args, f"hydra.run.dir={killed}"], cwd=CONF_DIR.parent, stdout=log, stderr=log)
     done = 0
     deadline = time.time() + 600
     while done < 2 and proc.poll() is None and time.time() < deadline:
@@ -179,7 +184,7 @@ def test_a_run_killed_with_sigkill_resumes_from_last_ckpt_like_an_uninterrupted_
         if last.is_file():
             done = load(last)["textrl"]["iterations_done"]
     proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert proc.wait() == -signal.SIGKILL, f"the run ended by itself: {(tmp_path / 'killed.log').read_text()[-2000:]}"
     assert 2 <= load(last)["textrl"]["iterations_done"] < 6
 
     resumed = subprocess.run([*args, f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'resumed'}"],

@@ -54,7 +54,10 @@ class ModelConfig:
 class EnvConfig:
     difficulty: str = "easy"  # easy | medium | hard
     num_envs: int = 16  # parallel training environments (one episode each per iteration)
-    repeatable: bool = False  # True: the same num_envs training games every iteration
+    # each training game is played this many times per iteration (num_envs / group_size games, each
+    # sampled group_size times): the groups that ppo.advantage=grpo|rloo compare episodes within
+    group_size: int = 1
+    repeatable: bool = False  # True: the same training games every iteration
     pool_size: int = 256  # fresh mode: training games each iteration's games are drawn from
     max_steps: Optional[int] = None  # None: the difficulty's step limit (8 / 32 / 32)
     step_penalty: float = 0.1
@@ -91,6 +94,13 @@ class PPOConfig:
     grad_accum: int = 4  # forwards per optimizer step
     max_grad_norm: float = 1.0  # clips the LM's gradient norm and, separately, the value head's
     normalize_advantages: bool = True
+    # gae: GAE per turn with the value head; grpo: the episode's return normalised within its group
+    # (env.group_size episodes of one game); rloo: the return minus the mean of the group's others.
+    # grpo and rloo neither train nor use the value head.
+    advantage: str = "gae"
+    # KL anchor: kl_coef x KL(policy || initial policy) at each decision, computed exactly over the
+    # fork's allowed tokens; 0 switches it (and the reference forward it needs) off
+    kl_coef: float = 0.0
     # Recompute the old log-probs and values with the update's own forward before the PPO epochs.
     # None: only under mixed precision, where the rollout (KV cache, small chunks) and the update
     # (one forward per sequence) round differently; fp32 agrees to ~1e-6 and needs no recompute.
@@ -133,6 +143,9 @@ class TrainerConfig:
 class EvalConfig:
     every: int = 6  # iterations between evaluations (and one before training, and one after the last)
     games: int = 32  # held-out evaluation games
+    # the first N training games, played greedily at every evaluation too (eval/train_win_rate):
+    # separates what the policy fits from what it generalises; 0 skips them
+    train_games: int = 16
     batch: int = 16  # games played together
     transcripts: int = 3  # games per evaluation written out as readable transcripts
 
@@ -171,11 +184,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
     e, p = cfg.env, cfg.ppo
     _check("env.difficulty", e.difficulty, e.difficulty in DIFFICULTIES, f"one of {sorted(DIFFICULTIES)}")
-    for key in ["num_envs", "pool_size", "history_len", "workers"]:
+    for key in ["num_envs", "group_size", "pool_size", "history_len", "workers"]:
         _check(f"env.{key}", getattr(e, key), getattr(e, key) >= 1, "an integer >= 1")
     _check("env.max_steps", e.max_steps, e.max_steps is None or e.max_steps >= 1, "null or an integer >= 1")
     _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= 128, "an integer >= 128")
-    _check("env.pool_size", e.pool_size, e.repeatable or e.pool_size >= e.num_envs, f">= env.num_envs ({e.num_envs})")
+    _check("env.group_size", e.group_size, e.num_envs % e.group_size == 0,
+           f"a divisor of env.num_envs ({e.num_envs}): each game is played group_size times")
+    games = e.num_envs // e.group_size
+    _check("env.pool_size", e.pool_size, e.repeatable or e.pool_size >= games,
+           f">= the games per iteration, env.num_envs / env.group_size ({games})")
     for key in ["lr_lm", "lr_value"]:
         v = getattr(p, key)
         _check(f"ppo.{key}", v, math.isfinite(v) and v > 0, "a number > 0")
@@ -183,7 +200,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ["clip", "max_grad_norm", "temperature"]:
         v = getattr(p, key)
         _check(f"ppo.{key}", v, v > 0, "a number > 0")
-    for key in ["vf_coef", "ent_coef", "weight_decay"]:
+    _check("ppo.advantage", p.advantage, p.advantage in {"gae", "grpo", "rloo"}, "one of ['gae', 'grpo', 'rloo']")
+    _check("env.group_size", e.group_size, p.advantage == "gae" or e.group_size >= 2,
+           f"at least 2 with ppo.advantage={p.advantage}, which compares the episodes of one game")
+    for key in ["vf_coef", "ent_coef", "weight_decay", "kl_coef"]:
         _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 0, "a number >= 0")
     for key in ["gamma", "lam", "temperature_decay"]:
         v = getattr(p, key)
@@ -197,6 +217,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ["every", "games", "batch"]:
         _check(f"eval.{key}", getattr(cfg.eval, key), getattr(cfg.eval, key) >= 1, "an integer >= 1")
     _check("eval.transcripts", cfg.eval.transcripts, cfg.eval.transcripts >= 0, "an integer >= 0")
+    n_train = e.num_envs // e.group_size if e.repeatable else e.pool_size
+    _check("eval.train_games", cfg.eval.train_games, 0 <= cfg.eval.train_games <= n_train,
+           f"between 0 and the training games available ({n_train})")
     _check("logger.name", cfg.logger.name, cfg.logger.name in {"csv", "tensorboard", "wandb"},
            "one of ['csv', 'tensorboard', 'wandb']")
     _check("model.source", cfg.model.source, cfg.model.source in {"hub", "gguf", "random"},

@@ -45,6 +45,7 @@ class Decision:
     token: int
     logprob: float  # under softmax(logits[allowed] / temperature)
     value: float  # value estimate of the state at this fork
+    entropy: float = 0.0  # of the fork's distribution (at the temperature): how undecided the choice was
 
 
 @dataclass
@@ -235,8 +236,8 @@ class Cursor:
     def done(self) -> bool:
         return self.node.command is not None
 
-    def choose(self, token: int, logprob: float, value: float) -> None:
-        self.decisions.append(Decision(len(self.ids), sorted(self.node.children), token, logprob, value))
+    def choose(self, token: int, logprob: float, value: float, entropy: float = 0.0) -> None:
+        self.decisions.append(Decision(len(self.ids), sorted(self.node.children), token, logprob, value, entropy))
         self.ids.append(token)
         node = self.node.children[token]
         forced, self.node = self.trie.advance(node) if token != self.trie.end_id else ([], node)
@@ -263,6 +264,7 @@ def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], 
     valid = torch.tensor([[k < len(ch) for k in range(width)] for ch in children], device=logits.device)
     scaled = (logits.float().gather(1, index) / temperature).masked_fill(~valid, float("-inf"))
     logp = torch.log_softmax(scaled, dim=-1).cpu()
+    entropy = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
     for i, cursor in enumerate(cursors):
         if greedy:
             k = int(logp[i].argmax())
@@ -270,7 +272,7 @@ def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], 
             cdf = logp[i, : len(children[i])].double().exp().cumsum(0)
             u = torch.rand((), generator=rngs[i], dtype=torch.float64) * cdf[-1]
             k = min(int(torch.searchsorted(cdf, u, right=True)), len(children[i]) - 1)
-        cursor.choose(children[i][k], float(logp[i, k]), float(values[i]))
+        cursor.choose(children[i][k], float(logp[i, k]), float(values[i]), float(entropy[i]))
 
 
 @torch.no_grad()

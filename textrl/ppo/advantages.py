@@ -1,6 +1,7 @@
-"""GAE per turn, shared by the decision tokens of each turn.
+"""Advantage estimators: GAE per turn (with the value head), and the critic-free group baselines
+GRPO and RLOO over the episodes of one game.
 
-The rule, and why:
+GAE, the rule, and why:
 
 * **Discounting is per turn.** gamma and lambda apply between turns (environment steps), never
   between the tokens of one command: ``unlock chest with key`` (several forks) and ``drop key``
@@ -46,6 +47,39 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, discounts: torch.Tensor, la
         advantages[j] = running
         next_value = values[j]
     return advantages, advantages + values
+
+
+def grpo(returns: torch.Tensor, groups: list, eps: float = 1e-8) -> torch.Tensor:
+    """Group-normalised returns: (R - mean of its group) / (std of its group + eps).
+
+    ``returns[i]`` is episode i's return, ``groups[i]`` its group (the game it played); a group's
+    episodes are the same game sampled several times, so its mean is a baseline no value head has to
+    learn. A group whose episodes all scored the same gets 0 (nothing to prefer).
+    """
+    advantages = torch.zeros_like(returns)
+    for members in _members(groups).values():
+        r = returns[members]
+        std = r.std() if len(members) > 1 else torch.zeros((), dtype=r.dtype)
+        advantages[members] = (r - r.mean()) / (std + eps)
+    return advantages
+
+
+def rloo(returns: torch.Tensor, groups: list) -> torch.Tensor:
+    """Leave-one-out baseline: R minus the mean return of the *other* episodes of its group
+    (unbiased: an episode's baseline does not depend on its own sample)."""
+    advantages = torch.zeros_like(returns)
+    for members in _members(groups).values():
+        r = returns[members]
+        k = len(members)
+        advantages[members] = (r - (r.sum() - r) / (k - 1)) if k > 1 else torch.zeros_like(r)
+    return advantages
+
+
+def _members(groups: list) -> dict:
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    return members
 
 
 def whiten(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

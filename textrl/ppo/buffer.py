@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from textrl.ppo.advantages import gae, whiten
+from textrl.ppo.advantages import gae, grpo, rloo, whiten
 from textrl.rollout import Episode
 
 
@@ -28,6 +28,7 @@ class Sequence:
     temperatures: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     returns: list[float] = field(default_factory=list)
+    ref_logprobs: list[list[float]] = field(default_factory=list)  # KL anchor: the reference's, per allowed token
 
 
 def episode_sequences(episode: Episode) -> list[Sequence]:
@@ -82,16 +83,29 @@ def decision_advantages(episode: Episode, values: list[float], gamma: float, lam
 
 
 def add_advantages(episodes: list[Episode], sequences: list[list[Sequence]], gamma: float, lam: float,
-                   normalize: bool = True) -> None:
+                   normalize: bool = True, estimator: str = "gae") -> None:
     """Fill ``advantages`` and ``returns`` of every sequence (``sequences[i]``: episode i's, from
-    ``episode_sequences``) from their ``old_values``; advantages are whitened over the rollout."""
+    ``episode_sequences``); advantages are whitened over the rollout when ``normalize``.
+
+    ``gae``: per decision, from the sequences' ``old_values`` (``decision_advantages``). ``grpo`` /
+    ``rloo``: one advantage per episode, from its return against the other episodes of its game,
+    given to each of its decisions; ``returns`` then hold the episode's return (no value target).
+    """
     flat, adv_all, ret_all = [], [], []
-    for episode, seqs in zip(episodes, sequences):
-        values = [v for s in seqs for v in s.old_values]
-        adv, ret = decision_advantages(episode, values, gamma, lam)
-        adv_all += adv
-        ret_all += ret
-        flat += seqs
+    if estimator == "gae":
+        for episode, seqs in zip(episodes, sequences):
+            adv, ret = decision_advantages(episode, [v for s in seqs for v in s.old_values], gamma, lam)
+            adv_all += adv
+            ret_all += ret
+            flat += seqs
+    else:
+        returns = torch.tensor([e.total_return for e in episodes], dtype=torch.float64)
+        group = {"grpo": grpo, "rloo": rloo}[estimator](returns, [e.game for e in episodes])
+        for episode, seqs, a, r in zip(episodes, sequences, group.tolist(), returns.tolist()):
+            n = sum(len(s.tokens) for s in seqs)
+            adv_all += [a] * n
+            ret_all += [r] * n
+            flat += seqs
     adv = torch.tensor(adv_all, dtype=torch.float64)
     if normalize and adv.numel():
         adv = whiten(adv)

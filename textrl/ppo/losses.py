@@ -26,6 +26,7 @@ class PPOTerms:
     clipped: torch.Tensor  # number of decisions whose ratio left [1 - clip, 1 + clip]
     ratio: torch.Tensor  # sum of the ratios
     log_ratio: torch.Tensor  # per decision (detached): rollout/update agreement on fresh data
+    kl_ref: torch.Tensor  # exact KL(policy || reference) over the allowed tokens, summed (0 without one)
 
 
 def entropy_over_allowed(logprobs: torch.Tensor) -> torch.Tensor:
@@ -34,15 +35,30 @@ def entropy_over_allowed(logprobs: torch.Tensor) -> torch.Tensor:
     return -(probs * logprobs.masked_fill(probs == 0, 0.0)).sum(-1)
 
 
+def kl_over_allowed(logp_all: torch.Tensor, index: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Exact KL(p || ref) of each decision over its fork's allowed tokens (a few logits, no estimator).
+
+    ``logp_all``: the policy's log-probs over the vocabulary (-inf outside the allowed set);
+    ``index`` [decisions, width]: the allowed token ids, padded by repeating one of them;
+    ``ref_logp`` [decisions, width]: the reference's log-probs of those tokens, -inf at the padding.
+    """
+    valid = torch.isfinite(ref_logp)
+    logp = logp_all.gather(1, index)
+    terms = logp.exp() * (logp - ref_logp.masked_fill(~valid, 0.0))
+    return terms.masked_fill(~valid, 0.0).sum(-1)
+
+
 def ppo_loss(logits: torch.Tensor, allowed: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor,
              old_logprobs: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor, returns: torch.Tensor,
-             clip: float, vf_coef: float, ent_coef: float, normalizer: float) -> PPOTerms:
+             clip: float, vf_coef: float, ent_coef: float, normalizer: float, kl_coef: float = 0.0,
+             reference: tuple[torch.Tensor, torch.Tensor] | None = None) -> PPOTerms:
     """Clipped PPO loss of a minibatch's decisions, summed and divided by ``normalizer``.
 
     ``normalizer`` is the number of decisions in the whole optimizer step this minibatch belongs
     to: the gradients of its minibatches then add up to the gradient of the mean over all of the
     step's decisions, however the step is split (each decision weighs the same, whether it comes
-    from a one-turn win or a thirty-turn failure).
+    from a one-turn win or a thirty-turn failure). ``reference`` (index, ref_logp) adds
+    ``kl_coef`` x the exact KL to the reference policy at each decision (``kl_over_allowed``).
     """
     logp_all = masked_logprobs(logits / temperatures[:, None], allowed, 1.0)
     logp = logp_all.gather(1, tokens[:, None]).squeeze(1)
@@ -51,12 +67,13 @@ def ppo_loss(logits: torch.Tensor, allowed: torch.Tensor, tokens: torch.Tensor, 
     policy = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip)).sum()
     value = 0.5 * (values - returns).pow(2).sum()
     entropy = entropy_over_allowed(logp_all).sum()
-    loss = (policy + vf_coef * value - ent_coef * entropy) / normalizer
+    kl = kl_over_allowed(logp_all, *reference).sum() if reference is not None else torch.zeros((), device=logits.device)
+    loss = (policy + vf_coef * value - ent_coef * entropy + kl_coef * kl) / normalizer
     with torch.no_grad():
         approx_kl = ((ratio - 1) - log_ratio).sum()
         clipped = ((ratio - 1).abs() > clip).sum().float()
     return PPOTerms(loss, policy.detach(), value.detach(), entropy.detach(), approx_kl, clipped,
-                    ratio.detach().sum(), log_ratio.detach())
+                    ratio.detach().sum(), log_ratio.detach(), kl.detach())
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:

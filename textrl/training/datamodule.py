@@ -42,7 +42,7 @@ class RolloutDataModule(L.LightningDataModule):
     def _pool_games(self):
         e = self.cfg.env
         pool = GamePool(e.difficulty, cache_dir=self.cfg.cache_dir, workers=e.workers)
-        n_train = e.num_envs if e.repeatable else e.pool_size
+        n_train = e.num_envs // e.group_size if e.repeatable else e.pool_size
         return pool.games("train", n_train), pool.games("eval", self.cfg.eval.games)
 
     def setup(self, stage: str):
@@ -55,20 +55,27 @@ class RolloutDataModule(L.LightningDataModule):
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def games_for_iteration(self, iteration: int) -> list[Path]:
-        """This rank's share of the iteration's ``env.num_envs`` training games."""
-        n = self.cfg.env.num_envs
-        games = self.train_games[:n] if self.cfg.env.repeatable else \
-            iteration_rng(self.cfg.seed, iteration).sample(self.train_games, n)
+        """This rank's share of the iteration's ``env.num_envs`` episodes: ``num_envs / group_size``
+        games, each listed ``group_size`` times in a row. A game's group stays on one rank, so the
+        group baselines (ppo.advantage=grpo|rloo) see all of its episodes."""
+        e = self.cfg.env
+        n = e.num_envs // e.group_size
+        games = self.train_games[:n] if e.repeatable else iteration_rng(self.cfg.seed, iteration).sample(self.train_games, n)
         rank, world = self._rank_world
-        return games[rank::world]
+        return [g for g in games[rank::world] for _ in range(e.group_size)]
 
     def train_dataloader(self):
         # one item (not None: Lightning skips a step whose batch is None), one training step per epoch
         return DataLoader(["iteration"], batch_size=None, collate_fn=_as_is)
 
     def val_dataloader(self):
+        """The held-out evaluation games and, second, ``eval.train_games`` fixed training games."""
         rank, world = self._rank_world
-        games = self.eval_games[rank::world]  # ranks split the evaluation games without overlap
         b = self.cfg.eval.batch
-        chunks = [games[i: i + b] for i in range(0, len(games), b)]
-        return DataLoader(chunks, batch_size=None, collate_fn=_as_is)
+        loaders = []
+        for games in (self.eval_games, self.train_games[: self.cfg.eval.train_games]):
+            games = games[rank::world]  # ranks split the games without overlap
+            if games:
+                loaders.append(DataLoader([games[i: i + b] for i in range(0, len(games), b)], batch_size=None,
+                                          collate_fn=_as_is))
+        return loaders

@@ -20,6 +20,7 @@ Evaluation is Lightning's validation loop: greedy play on the held-out games.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import resource
 import time
@@ -37,11 +38,14 @@ from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
+from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.buffer import Sequence, add_advantages, episode_sequences, optimizer_steps
 from textrl.ppo.losses import PPOTerms, correlation, explained_variance, ppo_loss
 from textrl.rollout import Episode, RolloutStats, episode_metrics, episode_seeds, play
 from textrl.training.datamodule import iteration_rng
 from textrl.transcripts import write_transcripts
+
+log = logging.getLogger(__name__)
 
 
 def temperature_at(ppo: PPOConfig, iteration: int) -> float:
@@ -67,9 +71,14 @@ class PPOModule(L.LightningModule):
         self.prompts = PromptBuilder(tokenizer, cfg.env.max_prompt_tokens, cfg.env.list_commands)
         self.decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
         self.max_steps = cfg.env.max_steps or DIFFICULTIES[cfg.env.difficulty].max_steps
-        self._eval_episodes: list[Episode] = []
+        self._eval_episodes: list[list[Episode]] = [[], []]
         self._eval_start = 0.0
         self.iterations_done = 0  # completed PPO iterations (saved in checkpoints)
+        self.uses_value = cfg.ppo.advantage == "gae"
+        if not self.uses_value:
+            log.info("ppo.advantage=%s: the value head is neither trained nor used", cfg.ppo.advantage)
+        # the KL anchor's frozen initial policy (a buffer: checkpoints keep it); None without one
+        self.reference = ReferencePolicy(policy.lm, cfg.memory.lora) if cfg.ppo.kl_coef > 0 else None
 
     # ---- one PPO iteration ------------------------------------------------------------------
     def training_step(self, batch: str, batch_idx: int) -> None:
@@ -94,9 +103,13 @@ class PPOModule(L.LightningModule):
         start = time.perf_counter()
         recomputed = self._recompute_old(first_pass) if p.recompute_old else {}
         recompute_s = time.perf_counter() - start
+        start = time.perf_counter()
+        if self.reference is not None:  # the KL anchor's log-probs, fixed for the iteration
+            self._reference_logprobs(first_pass)
+        reference_s = time.perf_counter() - start
 
-        # 3. Advantages: GAE per turn, from the (possibly recomputed) old values
-        add_advantages(episodes, per_episode, p.gamma, p.lam, p.normalize_advantages)
+        # 3. Advantages: GAE per turn from the (possibly recomputed) old values, or group baselines
+        add_advantages(episodes, per_episode, p.gamma, p.lam, p.normalize_advantages, p.advantage)
 
         # 4. Update: each optimizer step minimises the mean loss over its decisions
         start = time.perf_counter()
@@ -129,22 +142,28 @@ class PPOModule(L.LightningModule):
             "rollout/temperature": temperature,
             "rollout/decisions": float(stats.decisions),
             "rollout/decisions_per_s": stats.decisions_per_s,
-            "loss/policy": sums["policy"] / n, "loss/value": sums["value"] / n, "loss/entropy": sums["entropy"] / n,
-            "loss/total": (sums["policy"] + p.vf_coef * sums["value"] - p.ent_coef * sums["entropy"]) / n,
+            "loss/policy": sums["policy"] / n, "loss/entropy": sums["entropy"] / n,
+            "loss/total": (sums["policy"] + (p.vf_coef * sums["value"] if self.uses_value else 0.0)
+                           - p.ent_coef * sums["entropy"] + p.kl_coef * sums["kl_ref"]) / n,
             "policy/approx_kl": sums["approx_kl"] / n, "policy/clipfrac": sums["clipped"] / n,
             "policy/ratio_mean": sums["ratio"] / n,
             "policy/first_logratio_max": sums["first_logratio_max"],
             "policy/first_logratio_mean": sums["first_logratio_mean"],
-            "value/explained_variance": explained_variance(old_values, returns),
-            "value/corr": correlation(old_values, returns),
             "optim/lr_lm": lr_lm, "optim/lr_value": lr_value,
             "optim/grad_norm": sums["grad_norm"] / n_steps, "optim/grad_norm_value": sums["grad_norm_value"] / n_steps,
             "perf/rollout_s": rollout_s, "perf/update_s": update_s, "perf/tokens_per_s": tokens / max(update_s, 1e-9),
             "perf/peak_mem_gb": peak_memory_gb(self.device), "iteration": float(iteration + 1),
         }
+        if self.uses_value:
+            metrics["loss/value"] = sums["value"] / n
+            metrics["value/explained_variance"] = explained_variance(old_values, returns)
+            metrics["value/corr"] = correlation(old_values, returns)
         if p.recompute_old:
             metrics["perf/recompute_s"] = recompute_s
             metrics["policy/rollout_logratio_max"] = recomputed["logratio_max"]
+        if self.reference is not None:
+            metrics["perf/reference_s"] = reference_s
+            metrics["policy/kl_ref"] = sums["kl_ref"] / n
         self.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=True)  # means over ranks
         self.log("rollout/episodes", float(len(episodes)), on_step=True, on_epoch=False, sync_dist=True,
                  reduce_fx="sum")
@@ -196,10 +215,42 @@ class PPOModule(L.LightningModule):
     def _loss(self, batch: list[Sequence], normalizer: float) -> tuple[PPOTerms, int]:
         p = self.cfg.ppo
         logits, allowed, values, n_tokens = self._forward(batch)
+        reference = None
+        if self.reference is not None:
+            index, _ = self._allowed_index(batch)
+            width = index.shape[1]
+            reference = (index, torch.tensor([r + [float("-inf")] * (width - len(r)) for s in batch for r in s.ref_logprobs],
+                                             device=self.device))
         terms = ppo_loss(logits, allowed, self._flat(batch, "tokens", torch.long), self._flat(batch, "temperatures"),
                          self._flat(batch, "old_logprobs"), self._flat(batch, "advantages"), values,
-                         self._flat(batch, "returns"), p.clip, p.vf_coef, p.ent_coef, normalizer)
+                         self._flat(batch, "returns"), p.clip, p.vf_coef if self.uses_value else 0.0, p.ent_coef,
+                         normalizer, p.kl_coef, reference)
         return terms, n_tokens
+
+    def _allowed_index(self, batch: list[Sequence]) -> tuple[torch.Tensor, list[list[int]]]:
+        """Each decision's allowed token ids, padded to one width by repeating the first one."""
+        allowed = [a for s in batch for a in s.allowed]
+        width = max(len(a) for a in allowed)
+        return torch.tensor([a + a[:1] * (width - len(a)) for a in allowed], device=self.device), allowed
+
+    def _decision_logprobs(self, minibatch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad forward: log-probs over the vocabulary at every decision (at its temperature), and values."""
+        logits, allowed, values, _ = self._forward(minibatch)
+        temps = self._flat(minibatch, "temperatures")
+        return masked_logprobs(logits / temps[:, None], allowed, 1.0), values
+
+    @torch.no_grad()
+    def _reference_logprobs(self, steps: list[list[list[Sequence]]]) -> None:
+        """Store each decision's reference log-probs over its allowed tokens (``Sequence.ref_logprobs``)."""
+        with self.reference.active(self.policy.lm):
+            for minibatch in (mb for step in steps for mb in step):
+                logp_all, _ = self._decision_logprobs(minibatch)
+                index, allowed = self._allowed_index(minibatch)
+                rows = logp_all.gather(1, index).cpu().tolist()
+                k = 0
+                for s in minibatch:
+                    s.ref_logprobs = [row[: len(a)] for row, a in zip(rows[k: k + len(s.tokens)], allowed[k: k + len(s.tokens)])]
+                    k += len(s.tokens)
 
     @torch.no_grad()
     def _recompute_old(self, steps: list[list[list[Sequence]]]) -> dict[str, float]:
@@ -208,9 +259,7 @@ class PPOModule(L.LightningModule):
         rollout's log-probs were from them."""
         worst = 0.0
         for minibatch in (mb for step in steps for mb in step):
-            logits, allowed, values, _ = self._forward(minibatch)
-            temps = self._flat(minibatch, "temperatures")
-            logp = masked_logprobs(logits / temps[:, None], allowed, 1.0)
+            logp, values = self._decision_logprobs(minibatch)
             logp = logp.gather(1, self._flat(minibatch, "tokens", torch.long)[:, None]).squeeze(1).cpu()
             values = values.float().cpu()
             k = 0
@@ -266,18 +315,25 @@ class PPOModule(L.LightningModule):
 
     # ---- evaluation -----------------------------------------------------------------------
     def on_validation_epoch_start(self):
-        self._eval_episodes = []
+        self._eval_episodes = [[], []]  # held-out games, fixed training games
         self._eval_start = time.perf_counter()
 
-    def validation_step(self, batch, batch_idx):
-        self._eval_episodes += self.play(batch)[0]
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self._eval_episodes[dataloader_idx] += self.play(batch)[0]
 
     def on_validation_epoch_end(self):
         # inside fit, validation follows the update of epoch k (iteration k + 1); a stand-alone
         # validate() runs before fit (iteration 0) or after it (current_epoch == iterations done)
         iteration = self.current_epoch + (1 if self.trainer.state.fn == "fit" else 0)
-        episodes = self._eval_episodes
+        episodes, train_episodes = self._eval_episodes
         metrics = episode_metrics(episodes, "eval")
+        # the first decision of a command is mostly its verb: how sure the policy is of it
+        first = [s.action.decisions[0].entropy for e in episodes for s in e.steps if s.action.decisions]
+        metrics["eval/first_fork_entropy"] = sum(first) / max(len(first), 1)
+        if train_episodes:
+            train = episode_metrics(train_episodes, "eval")
+            metrics["eval/train_win_rate"] = train["eval/win_rate"]
+            metrics["eval/train_episode_len"] = train["eval/episode_len"]
         metrics["iteration"] = float(iteration)
         metrics["perf/eval_s"] = time.perf_counter() - self._eval_start
         self.log_dict(metrics, on_epoch=True, sync_dist=True)
@@ -305,7 +361,7 @@ class PPOModule(L.LightningModule):
 
 
 def _accumulate(sums: dict[str, float], terms: PPOTerms) -> None:
-    for key in ("policy", "value", "entropy", "approx_kl", "clipped", "ratio"):
+    for key in ("policy", "value", "entropy", "approx_kl", "clipped", "ratio", "kl_ref"):
         sums[key] += float(getattr(terms, key))
     sums["decisions"] += terms.log_ratio.numel()
 

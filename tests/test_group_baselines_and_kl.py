@@ -1,0 +1,135 @@
+"""Group rollouts with GRPO / RLOO baselines, and the exact KL anchor, on real games and the tiny model."""
+
+import pytest
+import torch
+
+from textrl.ppo.advantages import grpo, rloo
+from textrl.ppo.buffer import add_advantages, episode_sequences, optimizer_steps
+from textrl.ppo.losses import kl_over_allowed
+from textrl.rollout import episode_seeds
+from textrl.training.datamodule import RolloutDataModule, iteration_rng
+from textrl.training.module import PPOModule
+from tests.test_training import config
+
+
+def test_grpo_and_rloo_equal_a_reference_computation():
+    returns = [1.9, -0.8, 1.7, 0.5, 0.5, 0.5, -0.3]
+    groups = ["a", "a", "a", "b", "b", "b", "c"]  # "b" all alike, "c" alone: nothing to compare
+    by_group = {g: [r for r, h in zip(returns, groups) if h == g] for g in groups}
+
+    def ref_grpo(r, g):
+        xs = by_group[g]
+        mean = sum(xs) / len(xs)
+        std = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+        return (r - mean) / (std + 1e-8)
+
+    def ref_rloo(r, g):
+        xs = by_group[g]
+        return r - (sum(xs) - r) / (len(xs) - 1) if len(xs) > 1 else 0.0
+
+    t = torch.tensor(returns, dtype=torch.float64)
+    assert grpo(t, groups).tolist() == pytest.approx([ref_grpo(r, g) for r, g in zip(returns, groups)], abs=1e-9)
+    assert rloo(t, groups).tolist() == pytest.approx([ref_rloo(r, g) for r, g in zip(returns, groups)], abs=1e-12)
+    assert grpo(t, groups)[3:].abs().max() == 0  # no preference inside an all-equal group, or a lone episode
+
+
+def test_kl_over_allowed_tokens_equals_a_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 10, generator=g)
+    children = [[1, 4], [0, 2, 7, 9], [5, 6, 8]]
+    allowed = torch.zeros(3, 10, dtype=torch.bool)
+    for i, c in enumerate(children):
+        allowed[i, c] = True
+    logp = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), -1)
+    ref_logits = [torch.randn(len(c), generator=g) for c in children]
+    ref = [torch.log_softmax(r, -1).tolist() for r in ref_logits]
+    width = 4
+    index = torch.tensor([c + c[:1] * (width - len(c)) for c in children])
+    ref_t = torch.tensor([r + [float("-inf")] * (width - len(r)) for r in ref])
+    direct = [sum(float(logp[i, t].exp()) * (float(logp[i, t]) - ref[i][k]) for k, t in enumerate(c))
+              for i, c in enumerate(children)]
+    assert kl_over_allowed(logp, index, ref_t).tolist() == pytest.approx(direct, abs=1e-6)
+    same = torch.tensor([[float(logp[i, t]) for t in c] + [float("-inf")] * (width - len(c)) for i, c in enumerate(children)])
+    assert kl_over_allowed(logp, index, same).abs().max() < 1e-6
+
+
+def test_group_rollouts_play_each_game_group_size_times_with_different_samples(tmp_path, easy_pool):
+    cfg = config(tmp_path, "env.num_envs=8", "env.group_size=4", "ppo.advantage=rloo")
+    dm = RolloutDataModule(cfg)
+    dm.setup("fit")
+    games = dm.games_for_iteration(0)
+    assert len(games) == 8 and len(set(games)) == 2
+    assert games[:4] == [games[0]] * 4 and games[4:] == [games[4]] * 4
+    assert not set(games) & set(dm.eval_games)
+
+    from textrl.policy.model import build_policy
+
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
+    module = PPOModule(cfg, policy, tokenizer)
+    episodes, _ = module.play(games, temperature=3.0, seeds=episode_seeds(cfg.seed, 0, games))
+    assert [e.game for e in episodes] == [str(g) for g in games]
+    plays = [tuple(s.action.command for s in e.steps) for e in episodes]
+    assert len(set(plays[:4])) > 1 or len(set(plays[4:])) > 1  # the same game, sampled differently
+
+    per_episode = [episode_sequences(e) for e in episodes]
+    add_advantages(episodes, per_episode, 0.99, 0.95, normalize=False, estimator="rloo")
+    returns = [e.total_return for e in episodes]
+    for i, seqs in enumerate(per_episode):
+        group = [returns[j] for j in range(len(episodes)) if episodes[j].game == episodes[i].game and j != i]
+        expected = returns[i] - sum(group) / len(group)
+        assert all(a == pytest.approx(expected) for s in seqs for a in s.advantages)
+
+
+@pytest.mark.parametrize("memory", ["none", "lora"])
+def test_kl_to_the_reference_is_zero_at_the_first_update_and_grows_after_a_step(tmp_path, easy_pool, memory):
+    cfg = config(tmp_path, f"memory={memory}", "ppo.kl_coef=0.5")
+    from textrl.policy.model import build_policy
+
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, memory=cfg.memory)
+    module = PPOModule(cfg, policy, tokenizer)
+    games = easy_pool.games("train", 4)
+    episodes, _ = module.play(games, temperature=1.0, seeds=episode_seeds(0, 0, games))
+    per_episode = [episode_sequences(e) for e in episodes]
+    sequences = [s for seqs in per_episode for s in seqs]
+    steps = optimizer_steps(sequences, 2, 2, 1, iteration_rng(0, 0))
+    module._reference_logprobs(steps)
+    add_advantages(episodes, per_episode, 0.99, 0.95)
+    n = float(sum(len(s.tokens) for s in sequences))
+    first = steps[0][0]
+    terms, _ = module._loss(first, n)
+    assert abs(float(terms.kl_ref)) < 1e-6  # the policy is still the reference
+
+    optimizer = torch.optim.SGD([q for q in module.policy.parameters() if q.requires_grad], lr=1.0)
+    terms.loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after, _ = module._loss(first, n)
+    assert float(after.kl_ref) > 1e-6
+    # the reference itself did not move: swapped in, it gives back the stored log-probs
+    module._reference_logprobs([[first]])
+    with torch.no_grad():
+        again, _ = module._loss(first, n)
+    assert float(again.kl_ref) == pytest.approx(float(after.kl_ref), rel=1e-5)
+
+
+def test_a_group_baseline_run_trains_without_the_value_head(tmp_path):
+    import textrl.cli.train as cli
+    from tests.test_training import Snapshot, read_metrics
+
+    snapshot = Snapshot()
+    result = cli.train(config(tmp_path, "iterations=1", "env.group_size=2", "ppo.advantage=grpo", "ppo.kl_coef=0.1"),
+                       callbacks=[snapshot])
+    changed = snapshot.changed(result["module"])
+    assert any(k.startswith("lm.") for k in changed) and not any(k.startswith("value_head.") for k in changed)
+    row = next(r for r in read_metrics(tmp_path) if r.get("loss/policy"))
+    assert row["policy/kl_ref"] != "" and not row.get("loss/value") and not row.get("value/explained_variance")
+
+
+def test_group_baselines_need_groups():
+    from textrl.config import ConfigError
+    from tests.test_config import compose_train
+
+    with pytest.raises(ConfigError, match="env.group_size=1 is not allowed: at least 2 with ppo.advantage=grpo"):
+        compose_train(["ppo.advantage=grpo"])
+    with pytest.raises(ConfigError, match="env.group_size=3 is not allowed: a divisor of env.num_envs"):
+        compose_train(["env.group_size=3"])
