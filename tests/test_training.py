@@ -300,3 +300,19 @@ def test_resuming_drops_the_logged_rows_of_the_iteration_the_kill_interrupted(tm
     logger.save()
     assert [(r["iteration"], r["loss/policy"]) for r in read_metrics(tmp_path)] == [
         ("0.0", ""), ("1.0", "0.5"), ("2.0", "0.4"), ("2.0", ""), ("3.0", "0.25")]
+
+
+def test_init_from_starts_a_new_run_with_exactly_the_checkpoints_policy(tmp_path):
+    """model.init_from: the first rollout and the evaluation before training use the checkpoint's
+    policy (its weights, its greedy play); optimizer, schedules and iterations start anew."""
+    first = cli.train(config(tmp_path / "first", "iterations=2", "eval.every=2"))
+    snapshot = Snapshot()
+    second = cli.train(config(tmp_path / "second", "iterations=1", "env=medium", "env.max_steps=8",
+                              f"model.init_from={first['last']}"), callbacks=[snapshot])
+    trained = first["module"].policy.state_dict()
+    assert all(torch.equal(snapshot.weights[k], trained[k]) for k in trained)
+    rows = read_metrics(tmp_path / "second")
+    assert float(rows[0]["iteration"]) == 0 and float(rows[1]["iteration"]) == 1  # a new run, iteration 1
+    assert float(rows[1]["optim/lr_lm"]) == pytest.approx(second["module"].cfg.ppo.lr_lm)  # a new schedule
+    with pytest.raises(cli.CheckpointError, match="holds a policy of model=tiny.*this run uses model=smollm2"):
+        cli.train(config(tmp_path / "third", "model=smollm2", f"model.init_from={first['last']}"))

@@ -46,6 +46,9 @@ class ModelConfig:
     # train only the top N transformer blocks (+ final norm); None: all. SmolLM2's default of 6 of 30
     # makes backward ~4x cheaper, which is what makes CPU training practical.
     trainable_layers: Optional[int] = 6
+    # start from another run's trained policy (its checkpoint; the same model and LoRA setting),
+    # with a new optimizer, schedules and iteration count: e.g. medium from an easy run
+    init_from: Optional[str] = None
     value_hidden: int = 128  # width of the value head's hidden layer
     detach_value: bool = True  # value head reads detached hidden states (see the blog's lessons)
 

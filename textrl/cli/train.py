@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from textrl.config import CONF_DIR, ConfigError, TrainConfig, register_configs, to_train_config, validate
 from textrl.games.env import GameFileError
 from textrl.games.prompt import PromptTooLongError
-from textrl.policy.checkpoint import CheckpointError, read_checkpoint
+from textrl.policy.checkpoint import CheckpointError, checkpoint_config, load_policy_weights, read_checkpoint
 from textrl.policy.model import ModelNotFoundError, build_policy
 from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.datamodule import RolloutDataModule
@@ -43,6 +43,7 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
         del state
         run_dir = ckpt.parent.parent  # continue the same run directory: logs, checkpoints, transcripts
         cfg.output_dir = str(run_dir)
+    init_state = _init_from(cfg) if cfg.model.init_from and resume_state is None else None
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.memory.name == "auto":
         log.info("memory=auto: precision %s (%s)", cfg.memory.precision,
@@ -52,6 +53,9 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
         torch.set_num_threads(cfg.threads)
 
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
+    if init_state is not None:  # before the module: a KL anchor's reference is this policy
+        load_policy_weights(policy, init_state, cfg.memory.lora, f"model.init_from={cfg.model.init_from}")
+        del init_state
     module = PPOModule(cfg, policy, tokenizer)
     datamodule = RolloutDataModule(cfg)
     checkpoints = run_dir / "checkpoints"
@@ -81,6 +85,23 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {"metrics": metrics, "run_dir": run_dir, "last": last.best_model_path,
             "best": best.best_model_path, "module": module, "trainer": trainer}
+
+
+def _init_from(cfg: TrainConfig) -> dict:
+    """The checkpoint of ``model.init_from``, read and checked against this run's model before
+    anything is built."""
+    _, state = read_checkpoint(cfg.model.init_from, "model.init_from")
+    source = checkpoint_config(state)
+    mine, theirs = cfg.model, source.model
+    same = (mine.name, mine.source, mine.architecture, cfg.memory.lora) == \
+        (theirs.name, theirs.source, theirs.architecture, source.memory.lora)
+    if not same:
+        raise CheckpointError(
+            f"model.init_from={cfg.model.init_from} holds a policy of model={theirs.name} "
+            f"(source {theirs.source}, LoRA {source.memory.lora}); this run uses model={mine.name} "
+            f"(source {mine.source}, LoRA {cfg.memory.lora}). Use the same model and memory option, or export it "
+            f"(textrl-export CKPT DIR) and train from the directory: model.source=hub model.path=DIR")
+    return state
 
 
 USER_ERRORS = (ConfigError, ModelNotFoundError, CheckpointError, GameFileError, PromptTooLongError)

@@ -46,14 +46,26 @@ def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, 
     return ckpt, state
 
 
+def checkpoint_config(state: dict) -> TrainConfig:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), state["textrl"]["config"]))
+
+
+def load_policy_weights(policy: PolicyValueModel, state: dict, lora: bool, origin: str) -> None:
+    """Put a checkpoint's policy weights (all of them, or with LoRA the adapters + value head) into
+    ``policy``, built from the same model config; ``origin`` names the checkpoint in errors."""
+    weights = {k.removeprefix("policy."): v for k, v in state["state_dict"].items() if k.startswith("policy.")}
+    try:
+        missing, unexpected = policy.load_state_dict(weights, strict=not lora)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{origin} does not fit this model: {str(exc).splitlines()[0]}") from exc
+    if unexpected or (lora and any("lora_" in k or "value_head" in k for k in missing)):
+        raise CheckpointError(f"{origin} does not fit this model: unexpected {unexpected[:3]}, missing {missing[:3]}")
+
+
 def load_checkpoint_policy(path: str | Path, option: str = "checkpoint") -> tuple[PolicyValueModel, object, TrainConfig]:
     """The policy (with any LoRA adapters), tokenizer and training config stored in a checkpoint."""
     _, state = read_checkpoint(path, option)
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), state["textrl"]["config"]))
+    cfg = checkpoint_config(state)
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
-    weights = {k.removeprefix("policy."): v for k, v in state["state_dict"].items() if k.startswith("policy.")}
-    missing, unexpected = policy.load_state_dict(weights, strict=not cfg.memory.lora)
-    if unexpected or (cfg.memory.lora and any("lora_" in k or "value_head" in k for k in missing)):
-        raise CheckpointError(f"{path} does not match its own config: unexpected {unexpected[:3]}, "
-                              f"missing {missing[:3]}")
+    load_policy_weights(policy, state, cfg.memory.lora, f"{option}={path}")
     return policy, tokenizer, cfg
