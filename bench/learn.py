@@ -1,87 +1,131 @@
-"""Learning benchmark: train with a config (the default one unless overridden) and record how the
-held-out evaluation changed.
+"""Learning benchmark and ablations: named configurations x seeds, each a real ``python train.py``
+run, summarised as held-out win rate and steps (mean ± std over seeds), minutes and the commands.
 
-    python bench/learn.py                                  # the default CPU configuration
-    python bench/learn.py --out bench/results/x.json -- env=medium iterations=10
+    python bench/learn.py                                      # the default config, seeds 1 2 3
+    python bench/learn.py --configs default grpo explore --seeds 1 2 3
+    python bench/learn.py --configs default --seeds 1 --tag medium -- experiment=medium_cpu
 
-Writes eval win rate / episode length at the start (iteration 0, untrained) and the end, the wall
-minutes of training (the one-off set-up, generating the game pool and converting the model, is
-done before the clock starts), iterations, the mean per-iteration timings (rollout, recompute, update, evaluation), the
-resolved precision, whether the CPU computes bf16 natively, the torch version, the exact command
-and the composed config.
+Each configuration writes ``bench/results/learn_<tag>_<config>.json`` after every seed (a partial
+file is still a result: it lists the seeds it has). A run is ``python train.py <config overrides>
+<extra overrides> seed=S hydra.run.dir=<runs>/<tag>/<config>/seed<S>`` in a subprocess, exactly what
+a user types, so ``textrl-report <runs>/<tag>`` groups the runs by configuration (Hydra's
+overrides) and plots their curves with bands. Games and the converted model are prepared before
+the clock starts; ``minutes`` is the subprocess's wall time (model loading included).
+
+Each file records the resolved precision, whether the CPU computes bf16 natively, the torch version
+and the machine: compare minutes only between files measured on the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-import textrl.cli.train as cli
 from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import CONF_DIR, native_bf16, to_train_config
 from textrl.policy.model import load_tokenizer
 from textrl.training.datamodule import RolloutDataModule
 
+ROOT = Path(__file__).resolve().parent.parent
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/learn_cpu.json")
-    ap.add_argument("--run-dir", default="outputs/bench_learn")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
-    args = ap.parse_args(argv)
+# The levers of issue 12, each alone on top of the default (python train.py).
+CONFIGS = {
+    "default": [],
+    "grpo": ["env.group_size=4", "ppo.advantage=grpo"],  # 4 games x 4 samples, no value head
+    "rloo": ["env.group_size=4", "ppo.advantage=rloo"],
+    "kl": ["ppo.kl_coef=0.05"],  # KL anchor to the initial policy
+    "explore": ["ppo.explore=0.1"],  # 10 % uniform over each fork's children
+    "warm_start": ["warm_start.steps=50"],  # behaviour cloning on 64 training walkthroughs first
+    "list_commands": ["env.list_commands=true"],  # admissible commands shown in the prompt
+    "lora_all": ["memory=lora"],  # LoRA adapters on all 30 blocks instead of the top 6 blocks
+}
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"output_dir={args.run_dir}", *args.overrides])
-    prepared = to_train_config(cfg)
-    RolloutDataModule(prepared).prepare_data()  # generate (or find) the games
-    load_tokenizer(prepared.model, prepared.cache_dir)  # convert (or find) the model
-    start = time.perf_counter()
-    result = cli.train(cfg)
-    minutes = (time.perf_counter() - start) / 60
 
-    with open(Path(result["run_dir"]) / "logs" / "metrics.csv") as f:
+def summarize_run(run_dir: Path) -> dict:
+    with open(run_dir / "logs" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     evals = [r for r in rows if r.get("eval/win_rate")]
-    first, last = evals[0], evals[-1]
 
     def mean(key):
         values = [float(r[key]) for r in rows if r.get(key)]
         return round(statistics.fmean(values), 3) if values else None
 
-    resolved = result["module"].cfg
+    last = evals[-1]
     out = {
-        "eval_win_rate_start": float(first["eval/win_rate"]),
-        "eval_win_rate_end": float(last["eval/win_rate"]),
-        "eval_episode_len_start": float(first["eval/episode_len"]),
-        "eval_episode_len_end": float(last["eval/episode_len"]),
+        "eval_win_rate": float(last["eval/win_rate"]), "eval_episode_len": float(last["eval/episode_len"]),
+        "eval_train_win_rate": float(last["eval/train_win_rate"]) if last.get("eval/train_win_rate") else None,
         "eval_curve": [[int(float(r["iteration"])), float(r["eval/win_rate"]), float(r["eval/episode_len"])]
                        for r in evals],
-        "minutes": round(minutes, 1),
+        "rollout_win_rate_first_iterations": [float(r["rollout/win_rate"]) for r in rows if r.get("rollout/win_rate")][:3],
         "iterations": int(float(last["iteration"])),
-        "eval_games": cfg.eval.games,
         "seconds_per_iteration": {"rollout": mean("perf/rollout_s"), "recompute_old": mean("perf/recompute_s"),
-                                  "update": mean("perf/update_s"), "evaluation": mean("perf/eval_s")},
-        "rollout_logratio_max_mean": mean("policy/rollout_logratio_max"),
-        "first_logratio_max_mean": mean("policy/first_logratio_max"),
-        "precision": resolved.memory.precision,
-        "recompute_old": resolved.ppo.recompute_old,
-        "cpu_native_bf16": native_bf16(False),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
-        "targets": {"eval_win_rate_end": 0.9, "eval_episode_len_end": 1.5, "minutes": 30},
-        "config": OmegaConf.to_container(cfg, resolve=False),
+                                  "reference": mean("perf/reference_s"), "update": mean("perf/update_s"),
+                                  "evaluation": mean("perf/eval_s")},
     }
-    write_result(args.out, out, argv, show={k: v for k, v in out.items() if k != "config"})
+    warm = run_dir / "warm_start.json"
+    if warm.is_file():
+        out["warm_start"] = json.loads(warm.read_text())
+    return out
+
+
+def mean_std(values: list[float]) -> dict:
+    return {"mean": round(statistics.fmean(values), 4),
+            "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0, "values": values}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", default=["default"], choices=sorted(CONFIGS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    ap.add_argument("--tag", default="easy", help="names the result files and the runs' folder")
+    ap.add_argument("--runs", default="outputs/bench_learn", help="where the runs go")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every configuration")
+    args = ap.parse_args(argv)
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        resolved = to_train_config(compose("train", overrides=["output_dir=unused", *args.overrides]))
+    RolloutDataModule(resolved).prepare_data()  # generate (or find) the games before any clock starts
+    load_tokenizer(resolved.model, resolved.cache_dir)  # convert (or find) the model
+
+    for name in args.configs:
+        out_path = ROOT / "bench" / "results" / f"learn_{args.tag}_{name}.json"
+        runs = []
+        for seed in args.seeds:
+            run_dir = (ROOT / args.runs / args.tag / name / f"seed{seed}").resolve()
+            overrides = [*CONFIGS[name], *args.overrides, f"seed={seed}"]
+            cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            start = time.perf_counter()
+            with open(run_dir / "train.log", "w") as log:
+                subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+            minutes = (time.perf_counter() - start) / 60
+            runs.append({"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
+                         "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
+                         **summarize_run(run_dir)})
+            result = {
+                "config": name, "overrides": [*CONFIGS[name], *args.overrides],
+                "seeds": [r["seed"] for r in runs],
+                "eval_win_rate": mean_std([r["eval_win_rate"] for r in runs]),
+                "eval_episode_len": mean_std([r["eval_episode_len"] for r in runs]),
+                "minutes": mean_std([r["minutes"] for r in runs]),
+                "eval_games": resolved.eval.games, "runs": runs,
+                "precision": resolved.memory.precision, "cpu_native_bf16": native_bf16(False),
+                "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                "machine": platform.processor() or platform.machine(),
+            }
+            write_result(str(out_path), result, argv,
+                         show={k: result[k] for k in ("config", "seeds", "eval_win_rate", "eval_episode_len", "minutes")})
 
 
 if __name__ == "__main__":

@@ -108,6 +108,11 @@ class PPOConfig:
     # None: only under mixed precision, where the rollout (KV cache, small chunks) and the update
     # (one forward per sequence) round differently; fp32 agrees to ~1e-6 and needs no recompute.
     recompute_old: Optional[bool] = None
+    # exploration: at every fork of a training rollout the policy is (1 - explore) x the model's
+    # softmax + explore x uniform over the fork's children, in the rollout and in the update alike
+    # (on-policy). Keeps probability on admissible commands the model's prior ignores; greedy
+    # evaluation is unaffected. 0: off
+    explore: float = 0.0
     temperature: float = 1.0  # initial sampling temperature
     temperature_decay: float = 0.995  # per iteration
     temperature_min: float = 0.5
@@ -151,6 +156,19 @@ class EvalConfig:
     train_games: int = 16
     batch: int = 16  # games played together
     transcripts: int = 3  # games per evaluation written out as readable transcripts
+    # evaluate before training (iteration 0). An untrained policy plays every medium game to the
+    # step limit, which can cost more than an iteration: medium_cpu skips it
+    before_training: bool = True
+
+
+@dataclass
+class WarmStartConfig:
+    """Behaviour cloning on training games' walkthroughs before PPO (textrl/training/warm_start.py)."""
+
+    steps: int = 0  # optimizer steps of cross-entropy on walkthrough decisions; 0: no warm start
+    games: int = 64  # training games whose walkthroughs are replayed (the first N of the train split)
+    batch: int = 8  # walkthrough sequences per optimizer step (split into ppo.minibatch_size forwards)
+    lr: float = 1e-4  # LM learning rate (constant); the value head is not trained here
 
 
 @dataclass
@@ -162,6 +180,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     experiment: Optional[str] = None  # name of the experiment (set by conf/experiment/*), groups sweeps
     seed: int = 0
     iterations: int = 24  # about 16 minutes on 2 CPU cores with native bf16 (bench/results/learn_cpu.json)
@@ -208,6 +227,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
            f"at least 2 with ppo.advantage={p.advantage}, which compares the episodes of one game")
     for key in ["vf_coef", "ent_coef", "weight_decay", "kl_coef"]:
         _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 0, "a number >= 0")
+    _check("ppo.explore", p.explore, 0 <= p.explore < 1, "a number in [0, 1)")
     for key in ["gamma", "lam", "temperature_decay"]:
         v = getattr(p, key)
         _check(f"ppo.{key}", v, 0 < v <= 1, "a number in (0, 1]")
@@ -215,7 +235,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
            f"in (0, ppo.temperature={p.temperature}]")
     for key in ["epochs", "minibatch_size", "grad_accum"]:
         _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 1, "an integer >= 1")
-    _check("iterations", cfg.iterations, cfg.iterations >= 1, "an integer >= 1")
+    w = cfg.warm_start
+    _check("iterations", cfg.iterations, cfg.iterations >= 1 or (cfg.iterations == 0 and w.steps > 0),
+           "an integer >= 1 (0 only with warm_start.steps > 0: a warm start alone)")
+    _check("warm_start.steps", w.steps, w.steps >= 0, "an integer >= 0")
+    for key in ["games", "batch"]:
+        _check(f"warm_start.{key}", getattr(w, key), getattr(w, key) >= 1, "an integer >= 1")
+    _check("warm_start.lr", w.lr, math.isfinite(w.lr) and w.lr > 0, "a number > 0")
     _check("threads", cfg.threads, cfg.threads is None or cfg.threads >= 1, "null or an integer >= 1")
     for key in ["every", "games", "batch"]:
         _check(f"eval.{key}", getattr(cfg.eval, key), getattr(cfg.eval, key) >= 1, "an integer >= 1")

@@ -81,10 +81,11 @@ def episode_seeds(seed: int, iteration: int, games: list) -> list[int]:
 
 
 def play(envs: list[TextGame], decoder, prompts: PromptBuilder, temperature: float = 1.0, greedy: bool = False,
-         seeds: list[int] | None = None, bootstrap: bool = False) -> tuple[list[Episode], RolloutStats]:
+         seeds: list[int] | None = None, bootstrap: bool = False, explore: float = 0.0) -> tuple[list[Episode], RolloutStats]:
     """Every environment plays one episode with the model behind ``decoder``.
 
-    Sampling (``greedy=False``) needs one seed per environment (``episode_seeds``). With
+    Sampling (``greedy=False``) needs one seed per environment (``episode_seeds``) and mixes each
+    fork with ``explore`` x uniform (``textrl.policy.decoding.mix_uniform``). With
     ``bootstrap``, an episode cut by the step limit gets the value of the state it was cut at
     (``Episode.bootstrap_value``), for the advantages.
     """
@@ -101,7 +102,7 @@ def play(envs: list[TextGame], decoder, prompts: PromptBuilder, temperature: flo
     def act(live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
         prompt_ids, tries = state(live, obs)
         actions = decoder.act(live, prompt_ids, tries, temperature=temperature, greedy=greedy,
-                              rngs=None if greedy else [rngs[i] for i in live])
+                              rngs=None if greedy else [rngs[i] for i in live], explore=explore)
         return list(zip(prompt_ids, actions))
 
     def value(rows: list[int], obs: list[Observation]) -> list[float]:

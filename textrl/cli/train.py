@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.datamodule import RolloutDataModule
 from textrl.training.loggers import WandbIdCallback, make_logger
 from textrl.training.module import PPOModule
+from textrl.training.warm_start import warm_start
 
 log = logging.getLogger(__name__)
 register_configs()
@@ -56,6 +58,11 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
     if init_state is not None:  # before the module: a KL anchor's reference is this policy
         load_policy_weights(policy, init_state, cfg.memory.lora, f"model.init_from={cfg.model.init_from}")
         del init_state
+    # behaviour cloning on walkthroughs, before the module: iteration 0's evaluation and a KL
+    # anchor's reference are the warm-started policy
+    warm = warm_start(policy, tokenizer, cfg) if cfg.warm_start.steps and resume_state is None else None
+    if warm:
+        (run_dir / "warm_start.json").write_text(json.dumps(warm, indent=2) + "\n")
     module = PPOModule(cfg, policy, tokenizer)
     datamodule = RolloutDataModule(cfg)
     checkpoints = run_dir / "checkpoints"
@@ -76,9 +83,15 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
         check_val_every_n_epoch=cfg.eval.every, num_sanity_val_steps=0, log_every_n_steps=1,
         default_root_dir=run_dir, use_distributed_sampler=False, enable_model_summary=False,
     )
-    if resume_state is None:
-        trainer.validate(module, datamodule=datamodule, verbose=False)  # iteration 0: the untrained policy
+    if warm and trainer.logger is not None:
+        trainer.logger.log_metrics({**warm, "iteration": 0.0}, step=0)
+    if resume_state is None and (cfg.eval.before_training or cfg.iterations == 0):
+        trainer.validate(module, datamodule=datamodule, verbose=False)  # iteration 0: the starting policy
         module.train()  # validate() leaves the modules in eval mode
+    if cfg.iterations == 0:  # a warm start alone: its policy as a checkpoint that model.init_from reads
+        trainer.save_checkpoint(checkpoints / "warm_start.ckpt")
+        return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "run_dir": run_dir,
+                "last": str(checkpoints / "warm_start.ckpt"), "best": "", "module": module, "trainer": trainer}
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(cfg.ckpt_path) if cfg.ckpt_path else None)
     if cfg.iterations % cfg.eval.every:
         trainer.validate(module, datamodule=datamodule, verbose=False)  # always evaluate the final policy

@@ -15,6 +15,9 @@
 3. At a fork the logits of the allowed children are divided by the temperature and sampled (argmax
    when greedy). The recorded log-prob is ``log_softmax(logits[allowed] / T)[chosen]`` -- exactly
    what the PPO update recomputes from the same token ids, masks and temperature (T = 1 for greedy).
+   With exploration (``ppo.explore`` = e > 0) the policy *is* the mixture (1 - e) softmax + e uniform
+   over the fork's children, in the rollout and in the update alike (``mix_uniform``), so PPO stays
+   on-policy and no admissible child's probability falls below e / children.
    Each row samples with its own CPU generator, on the CPU, from the few allowed probabilities:
    the draw works whatever device the model is on, and a row's command depends on its own seed,
    not on which other rows share the batch.
@@ -28,6 +31,7 @@ but the cache's length, which otherwise grows with every turn and every restart.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,10 +64,22 @@ class Action:
         return sum(d.logprob for d in self.decisions)
 
 
-def masked_logprobs(logits: torch.Tensor, allowed: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probs over the allowed tokens (``allowed``: bool mask over the vocabulary)."""
+def masked_logprobs(logits: torch.Tensor, allowed: torch.Tensor, temperature: float, explore: float = 0.0) -> torch.Tensor:
+    """Log-probs over the allowed tokens (``allowed``: bool mask over the vocabulary), mixed with
+    ``explore`` x uniform over them (``mix_uniform``)."""
     scaled = logits.float() / temperature
-    return torch.log_softmax(scaled.masked_fill(~allowed, float("-inf")), dim=-1)
+    return mix_uniform(torch.log_softmax(scaled.masked_fill(~allowed, float("-inf")), dim=-1), allowed, explore)
+
+
+def mix_uniform(logp: torch.Tensor, allowed: torch.Tensor, explore: float) -> torch.Tensor:
+    """log((1 - e) p + e / n) over each row's n allowed entries (-inf elsewhere): every admissible
+    child keeps at least e / n of the probability however sure the model's prior is, which is what
+    lets a policy that puts p = 0.95 on the wrong verb still try the right one. Differentiable in p."""
+    if explore == 0.0:
+        return logp
+    n = allowed.sum(-1, keepdim=True).to(logp.dtype)
+    mixed = torch.logaddexp(logp + math.log1p(-explore), torch.log(explore / n))
+    return mixed.masked_fill(~allowed, float("-inf"))
 
 
 class ConstrainedDecoder:
@@ -184,9 +200,10 @@ class ConstrainedDecoder:
 
     @torch.no_grad()
     def act(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie], temperature: float = 1.0,
-            greedy: bool = False, rngs: list[torch.Generator] | None = None) -> list[Action]:
+            greedy: bool = False, rngs: list[torch.Generator] | None = None, explore: float = 0.0) -> list[Action]:
         """One command per row. Sampling draws each row's randomness from its own CPU generator
-        ``rngs[row]``, so a row's command depends on its generator alone, never on the batch."""
+        ``rngs[row]``, so a row's command depends on its generator alone, never on the batch.
+        ``explore`` mixes each fork's distribution with uniform (``mix_uniform``; sampling only)."""
         temperature = check_temperature(temperature, greedy)
         if not greedy and (rngs is None or len(rngs) != len(slots)):
             raise ValueError("sampling needs one torch.Generator per row (rngs), or greedy=True")
@@ -197,7 +214,7 @@ class ConstrainedDecoder:
             if not live:
                 break
             choose(self.policy, hidden[live], [cursors[r] for r in live], temperature, greedy,
-                   None if greedy else [rngs[r] for r in live])
+                   None if greedy else [rngs[r] for r in live], 0.0 if greedy else explore)
             chunks = [c.new if not c.done else [] for c in cursors]
             if not any(chunks):
                 break
@@ -248,8 +265,19 @@ class Cursor:
         return Action(self.node.command, self.ids, self.decisions, temperature)
 
 
+def forced_action(trie: CommandTrie, command: str) -> Action:
+    """``command`` walked down its trie as if chosen: the same decisions (forks, allowed children,
+    tokens) the decoder would record had it sampled it, with no log-prob or value (T = 1). The
+    walkthrough warm start trains on these."""
+    ids = trie.commands[command]
+    cursor = Cursor(trie)
+    while not cursor.done:
+        cursor.choose(ids[len(cursor.ids)], 0.0, 0.0)
+    return cursor.action(1.0)
+
+
 def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], temperature: float, greedy: bool,
-           rngs: list[torch.Generator] | None) -> None:
+           rngs: list[torch.Generator] | None, explore: float = 0.0) -> None:
     """Sample (or take the argmax of) each cursor's fork from the hidden states ``last`` and advance it.
 
     Only the fork's children leave the device: their logits are gathered there and moved to the
@@ -263,7 +291,7 @@ def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], 
     index = torch.tensor([ch + ch[:1] * (width - len(ch)) for ch in children], device=logits.device)
     valid = torch.tensor([[k < len(ch) for k in range(width)] for ch in children], device=logits.device)
     scaled = (logits.float().gather(1, index) / temperature).masked_fill(~valid, float("-inf"))
-    logp = torch.log_softmax(scaled, dim=-1).cpu()
+    logp = mix_uniform(torch.log_softmax(scaled, dim=-1), valid, explore).cpu()
     entropy = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
     for i, cursor in enumerate(cursors):
         if greedy:

@@ -51,6 +51,28 @@ def episode_sequences(episode: Episode) -> list[Sequence]:
     return [s for s in sequences if s.tokens]
 
 
+def decision_forward(policy, batch: list[Sequence], pad_id: int):
+    """One right-padded forward over the sequences: (logits, allowed mask, values) at every decision,
+    flat in order, and the number of real tokens fed. Shared by the PPO update and the warm start."""
+    device = next(policy.parameters()).device
+    width = max(len(s.input_ids) for s in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(batch):  # right padding: positions are plain 0..n-1, as in the rollout
+        ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        mask[r, : len(s.input_ids)] = 1
+    positions = torch.arange(width)[None].expand_as(ids)
+    hidden, _ = policy.hidden(ids.to(device), mask.to(device), positions.to(device))
+    rows = torch.tensor([r for r, s in enumerate(batch) for _ in s.positions], device=device)
+    cols = torch.tensor([c for s in batch for c in s.positions], device=device)
+    h = hidden[rows, cols]
+    logits = policy.logits(h)
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    pairs = [(i, t) for i, a in enumerate(a for s in batch for a in s.allowed) for t in a]
+    allowed[torch.tensor([i for i, _ in pairs], device=device), torch.tensor([t for _, t in pairs], device=device)] = True
+    return logits, allowed, policy.value(h), int(mask.sum())
+
+
 def decision_advantages(episode: Episode, values: list[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:
     """(advantages, returns) of an episode's decisions, in order, under the rule in
     ``textrl.ppo.advantages``; ``values`` are the decisions' value estimates in the same order."""

@@ -51,7 +51,7 @@ def kl_over_allowed(logp_all: torch.Tensor, index: torch.Tensor, ref_logp: torch
 def ppo_loss(logits: torch.Tensor, allowed: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor,
              old_logprobs: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor, returns: torch.Tensor,
              clip: float, vf_coef: float, ent_coef: float, normalizer: float, kl_coef: float = 0.0,
-             reference: tuple[torch.Tensor, torch.Tensor] | None = None) -> PPOTerms:
+             reference: tuple[torch.Tensor, torch.Tensor] | None = None, explore: float = 0.0) -> PPOTerms:
     """Clipped PPO loss of a minibatch's decisions, summed and divided by ``normalizer``.
 
     ``normalizer`` is the number of decisions in the whole optimizer step this minibatch belongs
@@ -59,8 +59,9 @@ def ppo_loss(logits: torch.Tensor, allowed: torch.Tensor, tokens: torch.Tensor, 
     step's decisions, however the step is split (each decision weighs the same, whether it comes
     from a one-turn win or a thirty-turn failure). ``reference`` (index, ref_logp) adds
     ``kl_coef`` x the exact KL to the reference policy at each decision (``kl_over_allowed``).
+    ``explore``: the policy is the fork's softmax mixed with uniform, as in the rollout (``mix_uniform``).
     """
-    logp_all = masked_logprobs(logits / temperatures[:, None], allowed, 1.0)
+    logp_all = masked_logprobs(logits / temperatures[:, None], allowed, 1.0, explore)
     logp = logp_all.gather(1, tokens[:, None]).squeeze(1)
     log_ratio = logp - old_logprobs
     ratio = log_ratio.exp()

@@ -39,7 +39,7 @@ from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.reference import ReferencePolicy
-from textrl.ppo.buffer import Sequence, add_advantages, episode_sequences, optimizer_steps
+from textrl.ppo.buffer import Sequence, add_advantages, decision_forward, episode_sequences, optimizer_steps
 from textrl.ppo.losses import PPOTerms, correlation, explained_variance, ppo_loss
 from textrl.rollout import Episode, RolloutStats, episode_metrics, episode_seeds, play
 from textrl.training.datamodule import iteration_rng
@@ -182,7 +182,7 @@ class PPOModule(L.LightningModule):
         try:
             with precision:
                 return play(envs, self.decoder, self.prompts, temperature=temperature, greedy=greedy, seeds=seeds,
-                            bootstrap=not greedy)
+                            bootstrap=not greedy, explore=0.0 if greedy else self.cfg.ppo.explore)
         finally:
             self.policy.train(was_training)
             for env in envs:
@@ -190,24 +190,7 @@ class PPOModule(L.LightningModule):
             self.decoder.reset()  # free the KV cache between rollouts
 
     def _forward(self, batch: list[Sequence]):
-        """Logits, allowed masks and values at every decision of the sequences: one right-padded forward."""
-        device = self.device
-        width = max(len(s.input_ids) for s in batch)
-        ids = torch.full((len(batch), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, s in enumerate(batch):  # right padding: positions are plain 0..n-1, as in the rollout
-            ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
-            mask[r, : len(s.input_ids)] = 1
-        positions = torch.arange(width)[None].expand_as(ids)
-        hidden, _ = self.policy.hidden(ids.to(device), mask.to(device), positions.to(device))
-        rows = torch.tensor([r for r, s in enumerate(batch) for _ in s.positions], device=device)
-        cols = torch.tensor([c for s in batch for c in s.positions], device=device)
-        h = hidden[rows, cols]
-        logits = self.policy.logits(h)
-        allowed = torch.zeros_like(logits, dtype=torch.bool)
-        pairs = [(i, t) for i, a in enumerate(a for s in batch for a in s.allowed) for t in a]
-        allowed[torch.tensor([i for i, _ in pairs], device=device), torch.tensor([t for _, t in pairs], device=device)] = True
-        return logits, allowed, self.policy.value(h), int(mask.sum())
+        return decision_forward(self.policy, batch, self.tokenizer.pad_token_id)
 
     def _flat(self, batch: list[Sequence], attr: str, dtype=torch.float32) -> torch.Tensor:
         return torch.tensor([x for s in batch for x in getattr(s, attr)], dtype=dtype, device=self.device)
@@ -224,7 +207,7 @@ class PPOModule(L.LightningModule):
         terms = ppo_loss(logits, allowed, self._flat(batch, "tokens", torch.long), self._flat(batch, "temperatures"),
                          self._flat(batch, "old_logprobs"), self._flat(batch, "advantages"), values,
                          self._flat(batch, "returns"), p.clip, p.vf_coef if self.uses_value else 0.0, p.ent_coef,
-                         normalizer, p.kl_coef, reference)
+                         normalizer, p.kl_coef, reference, p.explore)
         return terms, n_tokens
 
     def _allowed_index(self, batch: list[Sequence]) -> tuple[torch.Tensor, list[list[int]]]:
@@ -237,7 +220,7 @@ class PPOModule(L.LightningModule):
         """No-grad forward: log-probs over the vocabulary at every decision (at its temperature), and values."""
         logits, allowed, values, _ = self._forward(minibatch)
         temps = self._flat(minibatch, "temperatures")
-        return masked_logprobs(logits / temps[:, None], allowed, 1.0), values
+        return masked_logprobs(logits / temps[:, None], allowed, 1.0, self.cfg.ppo.explore), values
 
     @torch.no_grad()
     def _reference_logprobs(self, steps: list[list[list[Sequence]]]) -> None:

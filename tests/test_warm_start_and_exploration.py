@@ -1,0 +1,112 @@
+"""Walkthrough warm start and the exploration mixture, on real games and the tiny model."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import textrl.cli.train as cli
+import textrl.training.warm_start as ws
+from textrl.games.pool import EVAL_SEED_BASE, GamePool
+from textrl.games.prompt import PromptBuilder
+from textrl.policy.decoding import masked_logprobs, mix_uniform
+from textrl.policy.model import build_policy
+from textrl.policy.trie import CommandTrie
+from tests.test_training import config, read_metrics
+
+
+def test_exploration_mixture_keeps_every_child_above_its_floor_and_is_a_distribution():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 12, generator=g) * 8  # confident rows
+    allowed = torch.zeros(3, 12, dtype=torch.bool)
+    for i, children in enumerate([[1, 4], [0, 2, 7, 9, 11], [5]]):
+        allowed[i, children] = True
+    eps = 0.2
+    plain, mixed = masked_logprobs(logits, allowed, 1.0), masked_logprobs(logits, allowed, 1.0, eps)
+    n = allowed.sum(-1, keepdim=True)
+    expected = ((1 - eps) * plain.exp() + eps / n).masked_fill(~allowed, 0.0)
+    assert torch.allclose(mixed.exp(), expected, atol=1e-6)
+    assert torch.allclose(mixed.exp().sum(-1), torch.ones(3), atol=1e-6)
+    assert (mixed.exp()[allowed] >= (eps / n.expand_as(allowed))[allowed] - 1e-7).all()
+    assert torch.isinf(mixed[~allowed]).all() and torch.equal(mix_uniform(plain, allowed, 0.0), plain)
+
+
+def test_with_exploration_the_first_update_still_sees_ratio_one_and_rollouts_are_more_varied(tmp_path):
+    result = cli.train(config(tmp_path, "iterations=1", "eval.every=1", "ppo.explore=0.5"))
+    row = [r for r in read_metrics(tmp_path) if r.get("policy/first_logratio_max")][0]
+    assert float(row["policy/first_logratio_max"]) < 1e-4  # the update recomputes the same mixture
+    module = result["module"]
+    games, seeds = [result["trainer"].datamodule.train_games[0]] * 16, list(range(16))
+
+    def first_commands(explore):  # T = 0.01: the model alone is (nearly) greedy
+        module.cfg.ppo.explore = explore
+        return {e.steps[0].action.command for e in module.play(games, temperature=0.01, seeds=seeds)[0]}
+
+    assert len(first_commands(0.9)) > len(first_commands(0.0))
+
+
+def test_walkthroughs_replay_as_the_turns_a_rollout_records(tiny):
+    policy, tokenizer = tiny
+    cfg = config("unused", "warm_start.games=6")
+    prompts = PromptBuilder(tokenizer, cfg.env.max_prompt_tokens)
+    games = GamePool("easy").games("train", 6)
+    episodes, skipped = ws.walkthrough_episodes(games, prompts, cfg)
+    assert len(episodes) + len(skipped) == 6 and episodes
+    for episode in episodes:
+        assert episode.won and episode.steps[-1].terminated
+        for step in episode.steps:
+            obs = step.observation
+            trie = CommandTrie(obs.admissible_commands, prompts.encode_command, prompts.end_id)
+            assert step.action.command in obs.admissible_commands
+            assert step.action.command_ids == trie.commands[step.action.command]
+            forks = trie.decisions(step.action.command)
+            assert [d.index for d in step.action.decisions] == forks
+            node = trie.root
+            for k, token in enumerate(step.action.command_ids):
+                if k in forks:
+                    assert step.action.decisions[forks.index(k)].allowed == sorted(node.children)
+                node = node.children[token]
+
+
+def test_warm_start_raises_the_walkthrough_commands_probability_and_reads_only_training_games(tmp_path, monkeypatch):
+    opened = []
+    real = ws.TextGame
+
+    def recording(game, *args, **kwargs):
+        opened.append(str(game))
+        return real(game, *args, **kwargs)
+
+    monkeypatch.setattr(ws, "TextGame", recording)  # a spy: the real games are still played
+    cfg = config(tmp_path, "warm_start.steps=12", "warm_start.games=8", "warm_start.batch=4", "warm_start.lr=3e-3")
+    torch.manual_seed(0)
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
+    figures = ws.warm_start(policy, tokenizer, cfg)
+    assert figures["warm_start/walkthroughs"] + figures["warm_start/skipped"] == 8
+    assert figures["warm_start/command_prob_end"] > figures["warm_start/command_prob_start"] + 0.05
+    assert figures["warm_start/loss_last"] < figures["warm_start/loss_first"]
+    eval_games = {str(g) for g in GamePool("easy").games("eval", 32)}
+    assert len(opened) == 8 and not set(opened) & eval_games
+    assert all(int(__import__("pathlib").Path(g).parent.name) < EVAL_SEED_BASE for g in opened)
+
+
+def test_a_warm_start_alone_writes_a_checkpoint_that_a_ppo_run_starts_from(tmp_path):
+    alone = cli.train(config(tmp_path / "ws", "iterations=0", "warm_start.steps=3", "warm_start.games=4"))
+    assert alone["last"].endswith("warm_start.ckpt")
+    figures = json.loads((tmp_path / "ws" / "warm_start.json").read_text())
+    rows = read_metrics(tmp_path / "ws")
+    assert any(r.get("warm_start/command_prob_end") for r in rows)
+    assert any(r.get("eval/win_rate") for r in rows)  # the warm-started policy, evaluated
+    assert math.isfinite(figures["warm_start/loss_last"])
+
+    ppo = cli.train(config(tmp_path / "ppo", "iterations=1", "eval.before_training=false",
+                           f"model.init_from={alone['last']}"))
+    warmed = alone["module"].policy.state_dict()
+    rows = read_metrics(tmp_path / "ppo")
+    assert [float(r["iteration"]) for r in rows if r.get("eval/win_rate")] == [1.0]  # no evaluation before training
+    assert ppo["module"].iterations_done == 1 and set(warmed) == set(ppo["module"].policy.state_dict())
+
+
+def test_warm_start_iterations_zero_needs_steps(tmp_path):
+    with pytest.raises(cli.ConfigError, match="iterations=0 is not allowed"):
+        config(tmp_path, "iterations=0")

@@ -1,0 +1,170 @@
+"""Behaviour cloning on walkthroughs: the optional warm start before PPO (``warm_start.steps``).
+
+Every generated TextWorld game ships a walkthrough. Each of ``warm_start.games`` training games
+(the pool's train split: evaluation games are never read) is replayed through ``TextGame`` with its
+walkthrough; one that asks for a command that is not admissible, or that does not win within the
+step limit, is skipped and counted. A replayed step is exactly the turn a rollout would record: the
+same prompt (``PromptBuilder``, same history), the same trie of the admissible commands, the same
+decisions at its forks (``forced_action``), merged into the same sequences (``episode_sequences``).
+
+The loss is the cross-entropy of the walkthrough's token at each decision over the fork's allowed
+tokens (the masked distribution the PPO update computes, at T = 1), the mean over the decisions of
+an optimizer step. Only the LM learns; the value head starts PPO untouched (walkthroughs always win,
+so their returns would teach it nothing about failing).
+
+Device and precision come from Lightning Fabric with the run's ``memory.precision``: the same
+autocast (and gradient scaler under ``16-mixed``) as the PPO update, on the device the Trainer will
+use. It runs before the Trainer exists, so the evaluation at iteration 0 and the KL anchor's
+reference both see the warm-started policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from textrl.config import ConfigError, TrainConfig
+from textrl.games.env import TextGame
+from textrl.games.pool import DIFFICULTIES, GamePool
+from textrl.games.prompt import PromptBuilder
+from textrl.policy.decoding import forced_action, masked_logprobs
+from textrl.policy.memory import make_optimizer
+from textrl.policy.model import PolicyValueModel
+from textrl.policy.trie import CommandTrie
+from textrl.ppo.buffer import Sequence, decision_forward, episode_sequences
+from textrl.rollout import Episode, Step
+
+log = logging.getLogger(__name__)
+
+
+def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainConfig) -> tuple[list[Episode], list[str]]:
+    """Each game's walkthrough replayed as an episode of forced actions; (winning episodes, the
+    games whose walkthrough was not admissible or did not win)."""
+    e = cfg.env
+    max_steps = e.max_steps or DIFFICULTIES[e.difficulty].max_steps
+    kept, skipped = [], []
+    for game in games:
+        env = TextGame(game, max_steps, e.step_penalty, e.win_bonus, e.history_len)
+        episode = Episode(game=str(game))
+        try:
+            obs = env.reset()
+            for command in env.walkthrough:
+                if command not in obs.admissible_commands:
+                    break
+                prompt_ids = prompts.build(obs, env.history)  # before the step, as in a rollout
+                trie = CommandTrie(obs.admissible_commands, prompts.encode_command, prompts.end_id)
+                result = env.step(command)
+                episode.steps.append(Step(obs, prompt_ids, forced_action(trie, command), result.reward,
+                                          result.terminated, result.truncated, result.observation.feedback))
+                obs = result.observation
+                episode.won = obs.won
+                if result.done:
+                    break
+        finally:
+            env.close()
+        (kept if episode.won else skipped).append(episode if episode.won else str(game))
+    return kept, skipped
+
+
+def _decision_logprobs(policy: PolicyValueModel, batch: list[Sequence], pad_id: int) -> torch.Tensor:
+    logits, allowed, _, _ = decision_forward(policy, batch, pad_id)
+    tokens = torch.tensor([t for s in batch for t in s.tokens], device=logits.device)
+    return masked_logprobs(logits, allowed, 1.0).gather(1, tokens[:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def command_probability(policy: PolicyValueModel, sequences: list[Sequence], pad_id: int, fabric,
+                        turns: list[int], batch: int) -> float:
+    """Mean over the walkthrough's turns of the probability the policy gives the whole command
+    (the product over its decisions). ``turns[k]``: the turn of the k-th decision, in order."""
+    logps = []
+    with fabric.autocast():
+        for i in range(0, len(sequences), batch):
+            logps += _decision_logprobs(policy, sequences[i: i + batch], pad_id).float().cpu().tolist()
+    per_turn: dict[int, float] = {}
+    for turn, lp in zip(turns, logps):
+        per_turn[turn] = per_turn.get(turn, 0.0) + lp
+    return sum(math.exp(v) for v in per_turn.values()) / max(len(per_turn), 1)
+
+
+def make_fabric(cfg: TrainConfig):
+    """Lightning Fabric on the device the Trainer will train on, with the run's precision."""
+    from lightning.fabric import Fabric
+
+    cuda = cfg.trainer.accelerator in {"auto", "gpu", "cuda"} and torch.cuda.is_available()
+    # under DDP every rank warm-starts identically on its own GPU; DDP then broadcasts rank 0's weights
+    devices = [int(os.environ.get("LOCAL_RANK", 0))] if cuda else 1
+    return Fabric(accelerator="cuda" if cuda else "cpu", devices=devices, precision=cfg.memory.precision)
+
+
+def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[str, float]:
+    """Train ``policy``'s LM on the walkthroughs of ``warm_start.games`` training games for
+    ``warm_start.steps`` optimizer steps; returns the stage's figures (``warm_start/...``)."""
+    w, e = cfg.warm_start, cfg.env
+    start = time.perf_counter()
+    fabric = make_fabric(cfg)
+    policy.to(fabric.device)
+    prompts = PromptBuilder(tokenizer, e.max_prompt_tokens, e.list_commands)
+    games = GamePool(e.difficulty, cache_dir=cfg.cache_dir, workers=e.workers).games("train", w.games)
+    episodes, skipped = walkthrough_episodes(games, prompts, cfg)
+    if skipped:
+        log.warning("warm start: %d of %d walkthroughs skipped (a command not admissible, or no win "
+                    "within the step limit): %s", len(skipped), len(games), ", ".join(skipped[:5]))
+    sequences, turns = [], []
+    for episode in episodes:
+        for s in episode_sequences(episode):
+            sequences.append(s)
+    turn = 0
+    for episode in episodes:
+        for step in episode.steps:
+            turns += [turn] * len(step.action.decisions)
+            turn += 1
+    if not sequences:
+        raise ConfigError(f"warm_start.steps={w.steps}: none of the {len(games)} walkthroughs of env="
+                          f"{e.difficulty} wins within its step limit; raise env.max_steps or set warm_start.steps=0")
+    pad_id = tokenizer.pad_token_id
+    mb = cfg.ppo.minibatch_size
+    params = [p for p in policy.lm.parameters() if p.requires_grad]
+    optimizer = fabric.setup_optimizers(make_optimizer(params, [], cfg.memory, w.lr, w.lr, cfg.ppo.weight_decay))
+    prob_start = command_probability(policy, sequences, pad_id, fabric, turns, mb)
+
+    rng = random.Random(cfg.seed)
+    order: list[int] = []
+    was_training = policy.training
+    policy.train()
+    losses = []
+    for _ in range(w.steps):
+        batch = []
+        while len(batch) < min(w.batch, len(sequences)):
+            if not order:  # shuffled passes over the walkthrough sequences
+                order = list(range(len(sequences)))
+                rng.shuffle(order)
+            batch.append(sequences[order.pop()])
+        n = sum(len(s.tokens) for s in batch)
+        total = 0.0
+        for i in range(0, len(batch), mb):
+            with fabric.autocast():
+                nll = -_decision_logprobs(policy, batch[i: i + mb], pad_id).float().sum() / n
+            fabric.backward(nll)
+            total += float(nll)
+        fabric.clip_gradients(policy, optimizer, max_norm=cfg.ppo.max_grad_norm, error_if_nonfinite=False)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    policy.train(was_training)
+    prob_end = command_probability(policy, sequences, pad_id, fabric, turns, mb)
+    figures = {
+        "warm_start/walkthroughs": float(len(episodes)), "warm_start/skipped": float(len(skipped)),
+        "warm_start/decisions": float(len(turns)), "warm_start/loss_first": losses[0] if losses else float("nan"),
+        "warm_start/loss_last": losses[-1] if losses else float("nan"),
+        "warm_start/command_prob_start": prob_start, "warm_start/command_prob_end": prob_end,
+        "warm_start/seconds": time.perf_counter() - start,
+    }
+    log.info("warm start: %s", {k: round(v, 4) for k, v in figures.items()})
+    return figures
