@@ -46,7 +46,7 @@ CONFIGS = {
     "rloo": ["env.group_size=4", "ppo.advantage=rloo"],
     "kl": ["ppo.kl_coef=0.05"],  # KL anchor to the initial policy
     "explore": ["ppo.explore=0.1"],  # 10 % uniform over each fork's children
-    "warm_start": ["warm_start.steps=50"],  # behaviour cloning on 64 training walkthroughs first
+    "warm_start": ["warm_start.steps=16"],  # behaviour cloning: 2 passes over 64 training walkthroughs first
     "list_commands": ["env.list_commands=true"],  # admissible commands shown in the prompt
     "lora_all": ["memory=lora"],  # LoRA adapters on all 30 blocks instead of the top 6 blocks
 }

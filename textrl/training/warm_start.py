@@ -116,15 +116,10 @@ def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[st
     if skipped:
         log.warning("warm start: %d of %d walkthroughs skipped (a command not admissible, or no win "
                     "within the step limit): %s", len(skipped), len(games), ", ".join(skipped[:5]))
-    sequences, turns = [], []
-    for episode in episodes:
-        for s in episode_sequences(episode):
-            sequences.append(s)
-    turn = 0
-    for episode in episodes:
-        for step in episode.steps:
-            turns += [turn] * len(step.action.decisions)
-            turn += 1
+    sequences = [s for episode in episodes for s in episode_sequences(episode)]
+    # the turn of each decision, in the order the sequences hold them
+    steps = [step for episode in episodes for step in episode.steps]
+    turns = [t for t, step in enumerate(steps) for _ in step.action.decisions]
     if not sequences:
         raise ConfigError(f"warm_start.steps={w.steps}: none of the {len(games)} walkthroughs of env="
                           f"{e.difficulty} wins within its step limit; raise env.max_steps or set warm_start.steps=0")
