@@ -33,7 +33,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
-from textrl.config import CONF_DIR, native_bf16, to_train_config
+from textrl.config import CONF_DIR, native_bf16, register_configs, to_train_config
 from textrl.policy.model import load_tokenizer
 from textrl.training.datamodule import RolloutDataModule
 
@@ -93,6 +93,7 @@ def main(argv=None):
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every configuration")
     args = ap.parse_args(argv)
 
+    register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         resolved = to_train_config(compose("train", overrides=["output_dir=unused", *args.overrides]))
     RolloutDataModule(resolved).prepare_data()  # generate (or find) the games before any clock starts
