@@ -110,3 +110,27 @@ def test_a_warm_start_alone_writes_a_checkpoint_that_a_ppo_run_starts_from(tmp_p
 def test_warm_start_iterations_zero_needs_steps(tmp_path):
     with pytest.raises(cli.ConfigError, match="iterations=0 is not allowed"):
         config(tmp_path, "iterations=0")
+
+
+def test_no_evaluation_game_is_played_in_warm_start_or_training(tmp_path, monkeypatch):
+    """Spies (the real games are played): every game the warm start opens and every game a training
+    rollout plays is a training game; the evaluation games are only played greedily."""
+    from textrl.training.module import PPOModule
+
+    opened, sampled, greedy = [], [], []
+    real_game, real_play = ws.TextGame, PPOModule.play
+
+    def open_game(game, *args, **kwargs):
+        opened.append(str(game))
+        return real_game(game, *args, **kwargs)
+
+    def play(self, games, temperature=1.0, seeds=None):
+        (greedy if seeds is None else sampled).extend(str(g) for g in games)
+        return real_play(self, games, temperature, seeds)
+
+    monkeypatch.setattr(ws, "TextGame", open_game)
+    monkeypatch.setattr(PPOModule, "play", play)
+    result = cli.train(config(tmp_path, "iterations=2", "eval.every=1", "warm_start.steps=2", "warm_start.games=4"))
+    eval_games = {str(g) for g in result["trainer"].datamodule.eval_games}
+    assert opened and sampled and eval_games <= set(greedy)
+    assert not (set(opened) | set(sampled)) & eval_games
