@@ -48,6 +48,7 @@ CONFIGS = {
     "explore": ["ppo.explore=0.1"],  # 10 % uniform over each fork's children
     "warm_start": ["warm_start.steps=16"],  # behaviour cloning: 2 passes over 64 training walkthroughs first
     "list_commands": ["env.list_commands=true"],  # admissible commands shown in the prompt
+    "goal_last": ["env.goal_last=true"],  # the objective repeated at the end of every observation
     "lora_all": ["memory=lora"],  # LoRA adapters on all 30 blocks instead of the top 6 blocks
 }
 

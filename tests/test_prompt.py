@@ -73,6 +73,20 @@ def test_listing_commands_is_an_option(prompts, easy_games):
     assert "Commands: " + ", ".join(obs.admissible_commands) in text
 
 
+def test_goal_last_repeats_the_objective_right_before_the_command_and_stays_append_only(prompts, easy_games):
+    env, snaps = play_some(easy_games[0])
+    builder = PromptBuilder(prompts.tokenizer, goal_last=True)
+    obs, history = snaps[-1]
+    text = prompts.tokenizer.decode(builder.build(obs, history))
+    goal = "Goal: " + obs.objective
+    assert text.count(goal) == len(history) + 2  # system message + every observation
+    assert text.rstrip().removesuffix("<|im_start|>assistant").rstrip().endswith(goal + "<|im_end|>")
+    assert goal not in prompts.tokenizer.decode(prompts.build(obs, history)).split("<|im_end|>", 1)[1]
+    for (obs_a, hist_a), (obs_b, hist_b) in zip(snaps, snaps[1:]):
+        a, b = builder.build(obs_a, hist_a), builder.build(obs_b, hist_b)
+        assert b[: len(a)] == a
+
+
 def test_plain_transcript_without_a_chat_template(prompts, easy_games):
     tokenizer = copy.deepcopy(prompts.tokenizer)
     tokenizer.chat_template = None

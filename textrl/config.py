@@ -70,6 +70,7 @@ class EnvConfig:
     # and an over-budget prompt is re-encoded, so leave headroom
     max_prompt_tokens: int = 1536
     list_commands: bool = False  # show admissible commands in the prompt (the seed does not)
+    goal_last: bool = False  # repeat the objective at the end of every observation (the seed: system message only)
     workers: int = 2  # game-generation processes
 
 

@@ -102,7 +102,7 @@ def evaluate(policy_source: str, difficulty: str | None = None, games: int = 64,
         if dtype is not None:
             autocast = torch.autocast(device, dtype=dtype)
         policy.to(device).eval()
-        prompts = PromptBuilder(tokenizer, env.max_prompt_tokens, env.list_commands)
+        prompts = PromptBuilder.for_env(tokenizer, env)
         decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
     episodes: list[Episode] = []
     for start in range(0, len(paths), batch):

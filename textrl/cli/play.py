@@ -52,7 +52,7 @@ def _load_player(args) -> tuple[PolicyValueModel, PromptBuilder, EnvConfig]:
         policy, tokenizer = build_policy(load_model_config(args.model))
         env = load_env_config(args.difficulty or "easy")
     policy.eval()
-    return policy, PromptBuilder(tokenizer, args.max_prompt_tokens or env.max_prompt_tokens, env.list_commands), env
+    return policy, PromptBuilder.for_env(tokenizer, env, args.max_prompt_tokens), env
 
 
 def _read(prompt: str) -> str | None:

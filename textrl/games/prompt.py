@@ -26,7 +26,7 @@ class PromptTooLongError(ValueError):
     pass
 
 
-def observation_text(obs: Observation, list_commands: bool = False) -> str:
+def observation_text(obs: Observation, list_commands: bool = False, goal_last: bool = False) -> str:
     """What the agent is shown for one observation."""
     parts = [obs.feedback] if obs.feedback else []
     header = obs.description.splitlines()[0] if obs.description else ""
@@ -35,16 +35,21 @@ def observation_text(obs: Observation, list_commands: bool = False) -> str:
     parts.append(obs.inventory)
     if list_commands:
         parts.append("Commands: " + ", ".join(obs.admissible_commands))
+    if goal_last:
+        parts.append("Goal: " + obs.objective)
     return "\n\n".join(p for p in parts if p)
 
 
 class PromptBuilder:
     DROP_BLOCK = 4  # turns dropped at once when over max_prompt_tokens
 
-    def __init__(self, tokenizer, max_prompt_tokens: int = 1024, list_commands: bool = False):
+    def __init__(self, tokenizer, max_prompt_tokens: int = 1024, list_commands: bool = False, goal_last: bool = False):
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.list_commands = list_commands
+        # the objective again at the end of every observation, right before the command is chosen:
+        # a small model attends to the last few hundred tokens far more than to the system message
+        self.goal_last = goal_last
         self.chat = bool(getattr(tokenizer, "chat_template", None))
         self.end_id = self._end_token_id()
         # Plain transcripts put commands after "> ", so they are tokenized with a leading space.
@@ -63,6 +68,11 @@ class PromptBuilder:
                     return tok.convert_tokens_to_ids(special)
         return tok.eos_token_id
 
+    @classmethod
+    def for_env(cls, tokenizer, env, max_prompt_tokens: int | None = None) -> "PromptBuilder":
+        """The prompt builder of an ``env`` config (``textrl.config.EnvConfig``)."""
+        return cls(tokenizer, max_prompt_tokens or env.max_prompt_tokens, env.list_commands, env.goal_last)
+
     def encode_command(self, command: str) -> list[int]:
         """Command token ids without the end token (the trie adds it)."""
         return self.tokenizer.encode(self._command_prefix + command, add_special_tokens=False)
@@ -73,9 +83,9 @@ class PromptBuilder:
         if self.chat:
             messages = [{"role": "system", "content": system}]
             for turn in history:
-                messages.append({"role": "user", "content": observation_text(turn.observation, self.list_commands)})
+                messages.append({"role": "user", "content": observation_text(turn.observation, self.list_commands, self.goal_last)})
                 messages.append({"role": "assistant", "content": _SENTINEL})
-            messages.append({"role": "user", "content": observation_text(obs, self.list_commands)})
+            messages.append({"role": "user", "content": observation_text(obs, self.list_commands, self.goal_last)})
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             pieces = text.split(_SENTINEL)
             end = self.tokenizer.convert_ids_to_tokens(self.end_id)
@@ -84,9 +94,9 @@ class PromptBuilder:
         text = system + "\n\n"
         pieces = []
         for turn in history:
-            pieces.append(text + observation_text(turn.observation, self.list_commands) + "\n>")
+            pieces.append(text + observation_text(turn.observation, self.list_commands, self.goal_last) + "\n>")
             text = "\n\n"
-        pieces.append(text + observation_text(obs, self.list_commands) + "\n>")
+        pieces.append(text + observation_text(obs, self.list_commands, self.goal_last) + "\n>")
         return pieces
 
     def build(self, obs: Observation, history: Sequence[Turn]) -> list[int]:

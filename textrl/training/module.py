@@ -68,7 +68,7 @@ class PPOModule(L.LightningModule):
         self.cfg = cfg
         self.policy = policy
         self.tokenizer = tokenizer
-        self.prompts = PromptBuilder(tokenizer, cfg.env.max_prompt_tokens, cfg.env.list_commands)
+        self.prompts = PromptBuilder.for_env(tokenizer, cfg.env)
         self.decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
         self.max_steps = cfg.env.max_steps or DIFFICULTIES[cfg.env.difficulty].max_steps
         self._eval_episodes: list[list[Episode]] = [[], []]

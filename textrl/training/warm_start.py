@@ -110,7 +110,7 @@ def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[st
     start = time.perf_counter()
     fabric = make_fabric(cfg)
     policy.to(fabric.device)
-    prompts = PromptBuilder(tokenizer, e.max_prompt_tokens, e.list_commands)
+    prompts = PromptBuilder.for_env(tokenizer, e)
     games = GamePool(e.difficulty, cache_dir=cfg.cache_dir, workers=e.workers).games("train", w.games)
     episodes, skipped = walkthrough_episodes(games, prompts, cfg)
     if skipped:
