@@ -50,6 +50,8 @@ CONFIGS = {
     "list_commands": ["env.list_commands=true"],  # admissible commands shown in the prompt
     "goal_last": ["env.goal_last=true"],  # the objective repeated at the end of every observation
     "lora_all": ["memory=lora"],  # LoRA adapters on all 30 blocks instead of the top 6 blocks
+    # combinations
+    "goal_last_explore": ["env.goal_last=true", "ppo.explore=0.1"],
 }
 
 
