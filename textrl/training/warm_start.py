@@ -68,7 +68,10 @@ def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainCo
                     break
         finally:
             env.close()
-        (kept if episode.won else skipped).append(episode if episode.won else str(game))
+        if episode.won:
+            kept.append(episode)
+        else:
+            skipped.append(str(game))
     return kept, skipped
 
 
