@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from hydra import compose, initialize_config_dir
 
@@ -76,6 +77,10 @@ def summarize_run(run_dir: Path) -> dict:
                                   "reference": mean("perf/reference_s"), "update": mean("perf/update_s"),
                                   "evaluation": mean("perf/eval_s")},
     }
+    # the run's own torch threads (threads=1 when two screening runs share a 2-core machine): minutes
+    # compare only between runs with the same threads on the same machine
+    resolved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    out["threads"] = resolved.get("threads") or torch.get_num_threads()
     warm = run_dir / "warm_start.json"
     if warm.is_file():
         out["warm_start"] = json.loads(warm.read_text())
@@ -125,7 +130,7 @@ def main(argv=None):
                 "minutes": mean_std([r["minutes"] for r in runs]),
                 "eval_games": resolved.eval.games, "runs": runs,
                 "precision": resolved.memory.precision, "cpu_native_bf16": native_bf16(False),
-                "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                "torch": torch.__version__, "torch_threads": sorted({r["threads"] for r in runs}),
                 "machine": platform.processor() or platform.machine(),
             }
             write_result(str(out_path), result, argv,
