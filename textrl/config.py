@@ -109,6 +109,10 @@ class PPOConfig:
     # None: only under mixed precision, where the rollout (KV cache, small chunks) and the update
     # (one forward per sequence) round differently; fp32 agrees to ~1e-6 and needs no recompute.
     recompute_old: Optional[bool] = None
+    # run the frozen blocks under the trainable ones once per sequence per iteration: later passes
+    # (PPO epochs, KL reference) replay their recorded output (textrl/policy/frozen_prefix.py). Costs
+    # hidden-size floats per rollout token for the iteration; false runs every pass in full
+    cache_frozen: bool = True
     # exploration: at every fork of a training rollout the policy is (1 - explore) x the model's
     # softmax + explore x uniform over the fork's children, in the rollout and in the update alike
     # (on-policy). Keeps probability on admissible commands the model's prior ignores; greedy

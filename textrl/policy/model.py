@@ -260,19 +260,29 @@ class PolicyValueModel(nn.Module):
         return self.value_head(hidden.detach() if self.detach_value else hidden).float()
 
 
+def transformer_blocks(lm: nn.Module) -> nn.ModuleList:
+    """The model's stack of transformer blocks: its longest ModuleList (any Hugging Face causal LM)."""
+    return max((m for m in lm.modules() if isinstance(m, nn.ModuleList)), key=len)
+
+
 def freeze_below_top_layers(lm: nn.Module, n: int) -> None:
-    """Freeze the embeddings and every transformer block but the top ``n``.
+    """Freeze the output embeddings and everything under the top ``n`` transformer blocks.
 
     Backward then stops at the lowest trainable block: on a CPU, training the top 6 of SmolLM2's 30
-    blocks makes a forward+backward about 4x faster than training all of them.
+    blocks makes a forward+backward about 4x faster than training all of them. "Under" is every
+    parameter registered before the first trainable block (Hugging Face models register in data-flow
+    order): token embeddings, GPT-2's learned position embeddings, the lower blocks.
     """
-    blocks = max((m for m in lm.modules() if isinstance(m, nn.ModuleList)), key=len)
+    blocks = transformer_blocks(lm)
     if not 0 < n <= len(blocks):
         raise ValueError(f"model.trainable_layers={n} is not allowed: between 1 and {len(blocks)} for this model")
-    frozen = [lm.get_input_embeddings(), lm.get_output_embeddings(), *blocks[: len(blocks) - n]]
-    for module in frozen:
-        for param in module.parameters():
-            param.requires_grad_(False)
+    first_trainable = {id(p) for p in blocks[len(blocks) - n].parameters()}
+    for param in lm.parameters():
+        if id(param) in first_trainable:
+            break
+        param.requires_grad_(False)
+    for param in lm.get_output_embeddings().parameters():
+        param.requires_grad_(False)
 
 
 def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | Path | None = None, memory=None):

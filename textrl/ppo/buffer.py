@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.ppo.advantages import gae, grpo, rloo, whiten
 from textrl.rollout import Episode
 
@@ -29,6 +30,9 @@ class Sequence:
     advantages: list[float] = field(default_factory=list)
     returns: list[float] = field(default_factory=list)
     ref_logprobs: list[list[float]] = field(default_factory=list)  # KL anchor: the reference's, per allowed token
+    # the last frozen block's output over input_ids, recorded by the sequence's first forward of the
+    # iteration and replayed by the later ones (textrl.policy.frozen_prefix); None until then
+    frozen_output: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 def episode_sequences(episode: Episode) -> list[Sequence]:
@@ -51,9 +55,12 @@ def episode_sequences(episode: Episode) -> list[Sequence]:
     return [s for s in sequences if s.tokens]
 
 
-def decision_forward(policy, batch: list[Sequence], pad_id: int):
+def decision_forward(policy, batch: list[Sequence], pad_id: int, frozen: FrozenPrefix | None = None):
     """One right-padded forward over the sequences: (logits, allowed mask, values) at every decision,
-    flat in order, and the number of real tokens fed. Shared by the PPO update and the warm start."""
+    flat in order, and the number of real tokens fed. Shared by the PPO update and the warm start.
+
+    With ``frozen``, a batch whose sequences all hold a recorded frozen-block output skips the frozen
+    blocks; any other batch runs in full and records it for the sequences' later forwards."""
     device = next(policy.parameters()).device
     width = max(len(s.input_ids) for s in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -62,7 +69,22 @@ def decision_forward(policy, batch: list[Sequence], pad_id: int):
         ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
         mask[r, : len(s.input_ids)] = 1
     positions = torch.arange(width)[None].expand_as(ids)
-    hidden, _ = policy.hidden(ids.to(device), mask.to(device), positions.to(device))
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    if frozen is None:
+        hidden, _ = policy.hidden(ids, mask, positions)
+    elif all(s.frozen_output is not None for s in batch):
+        # zeros at the padding: causal attention keeps them out of every real position
+        recorded = torch.nn.utils.rnn.pad_sequence([s.frozen_output for s in batch], batch_first=True)
+        with frozen.replay(recorded):
+            hidden, _ = policy.hidden(ids, mask, positions)
+    else:
+        with frozen.record() as outputs:
+            hidden, _ = policy.hidden(ids, mask, positions)
+        if len(outputs) != 1 or not isinstance(outputs[0], torch.Tensor):
+            raise RuntimeError(f"{type(frozen.blocks[0]).__name__} blocks do not return one tensor, so their "
+                               f"output cannot be recorded and replayed; run with ppo.cache_frozen=false")
+        for r, s in enumerate(batch):
+            s.frozen_output = outputs[0][r, : len(s.input_ids)].detach()
     rows = torch.tensor([r for r, s in enumerate(batch) for _ in s.positions], device=device)
     cols = torch.tensor([c for s in batch for c in s.positions], device=device)
     h = hidden[rows, cols]

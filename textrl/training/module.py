@@ -38,6 +38,7 @@ from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
+from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.buffer import Sequence, add_advantages, decision_forward, episode_sequences, optimizer_steps
 from textrl.ppo.losses import PPOTerms, correlation, explained_variance, ppo_loss
@@ -79,6 +80,9 @@ class PPOModule(L.LightningModule):
             log.info("ppo.advantage=%s: the value head is neither trained nor used", cfg.ppo.advantage)
         # the KL anchor's frozen initial policy (a buffer: checkpoints keep it); None without one
         self.reference = ReferencePolicy(policy.lm, cfg.memory.lora) if cfg.ppo.kl_coef > 0 else None
+        # the frozen blocks under the trainable ones, run once per sequence per iteration (None: all
+        # blocks train, or switched off)
+        self.frozen = FrozenPrefix.of(policy.lm) if cfg.ppo.cache_frozen else None
 
     # ---- one PPO iteration ------------------------------------------------------------------
     def training_step(self, batch: str, batch_idx: int) -> None:
@@ -190,7 +194,7 @@ class PPOModule(L.LightningModule):
             self.decoder.reset()  # free the KV cache between rollouts
 
     def _forward(self, batch: list[Sequence]):
-        return decision_forward(self.policy, batch, self.tokenizer.pad_token_id)
+        return decision_forward(self.policy, batch, self.tokenizer.pad_token_id, self.frozen)
 
     def _flat(self, batch: list[Sequence], attr: str, dtype=torch.float32) -> torch.Tensor:
         return torch.tensor([x for s in batch for x in getattr(s, attr)], dtype=dtype, device=self.device)

@@ -1,0 +1,112 @@
+"""The frozen blocks under the trainable ones run once per sequence per iteration, and skipping them
+changes nothing the update computes (textrl/policy/frozen_prefix.py)."""
+
+import pytest
+import torch
+
+from textrl.config import load_model_config
+from textrl.games.env import TextGame
+from textrl.games.prompt import PromptBuilder
+from textrl.policy.decoding import ConstrainedDecoder
+from textrl.policy.frozen_prefix import FrozenPrefix
+from textrl.policy.model import build_policy, transformer_blocks
+from textrl.ppo.buffer import decision_forward, episode_sequences
+from textrl.rollout import play
+
+ARCHITECTURES = {  # two blocks each, the lower one frozen: every family's own code path
+    "llama": ("tiny", {}),
+    "gpt2": ("gpt2", {"source": "random", "architecture": {"n_layer": 2}}),
+    "qwen2": ("qwen", {"source": "random", "architecture": {"num_hidden_layers": 2}}),
+}
+
+
+def sequences_of(policy, tokenizer, games, max_steps=3):
+    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    episodes, _ = play([TextGame(p, max_steps) for p in games], decoder, PromptBuilder(tokenizer), temperature=1.0,
+                       seeds=list(range(len(games))), bootstrap=True)
+    return [s for e in episodes for s in episode_sequences(e)]
+
+
+def outputs_and_grads(policy, batch, pad_id, frozen=None):
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    logits, allowed, values, _ = decision_forward(policy, batch, pad_id, frozen)
+    (logits.masked_fill(~allowed, 0).sum() + values.sum()).backward()
+    return logits.detach(), values.detach(), [p.grad.clone() for p in params if p.grad is not None]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_replaying_the_frozen_blocks_computes_the_full_forward(arch, easy_games):
+    name, overrides = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    policy, tokenizer = build_policy(load_model_config(name, trainable_layers=1, **overrides))
+    frozen = FrozenPrefix.of(policy.lm)
+    assert frozen is not None and frozen.n_frozen == 1
+    # the frozen part: everything registered before the top block (GPT-2's position embeddings too)
+    params = list(policy.lm.parameters())
+    first_top = next(transformer_blocks(policy.lm)[1].parameters())
+    start = next(i for i, p in enumerate(params) if p is first_top)
+    assert start > 0 and not any(p.requires_grad for p in params[:start])
+    assert any(p.requires_grad for p in params[start:])
+    sequences = sequences_of(policy, tokenizer, easy_games[:3])
+    assert len(sequences) >= 2
+    pad = tokenizer.pad_token_id
+    runs = []  # forwards that executed the frozen block's own layers
+    lower = transformer_blocks(policy.lm)[0]
+    leaf = next(m for m in lower.modules() if m is not lower and not list(m.children()))
+    leaf.register_forward_pre_hook(lambda *_: runs.append(1))
+
+    one = sequences[:1]
+    full = outputs_and_grads(policy, one, pad)
+    recorded = outputs_and_grads(policy, one, pad, frozen)  # first forward: runs in full, records
+    assert one[0].frozen_output is not None and one[0].frozen_output.shape[0] == len(one[0].input_ids)
+    runs.clear()
+    replayed = outputs_and_grads(policy, one, pad, frozen)  # later forward: frozen block skipped
+    assert runs == []
+    for a, b, c in zip(full[:2], recorded[:2], replayed[:2]):  # same shapes: bitwise
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert len(full[2]) == len(replayed[2]) > 0 and all(torch.equal(a, b) for a, b in zip(full[2], replayed[2]))
+
+    # recorded one by one, replayed together (zero padding at the shorter one's end)
+    pair = sequences[:2]
+    full = outputs_and_grads(policy, pair, pad)
+    for s in pair:
+        outputs_and_grads(policy, [s], pad, frozen)
+    runs.clear()
+    replayed = outputs_and_grads(policy, pair, pad, frozen)
+    assert runs == []
+    assert torch.allclose(full[0], replayed[0], atol=1e-5) and torch.allclose(full[1], replayed[1], atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(full[2], replayed[2]))
+    # the frozen blocks compute again once the replay is over
+    outputs_and_grads(policy, pair, pad)
+    assert runs != []
+
+
+def test_nothing_is_skipped_when_the_lower_part_trains():
+    policy, _ = build_policy(load_model_config("tiny"))  # every block trains
+    assert FrozenPrefix.of(policy.lm) is None
+    policy, _ = build_policy(load_model_config("tiny", trainable_layers=1))
+    assert FrozenPrefix.of(policy.lm) is not None
+    policy.lm.get_input_embeddings().weight.requires_grad_(True)  # the embedding feeds the frozen block
+    assert FrozenPrefix.of(policy.lm) is None
+
+
+def test_a_training_iteration_with_frozen_blocks_keeps_the_first_ratio_at_one(tmp_path):
+    """The PPO update with the top block trainable: the first minibatch's ratios are exactly 1 in
+    fp32 with the frozen block replayed from the recompute, and switching the cache off gives the
+    same losses."""
+    from tests.test_training import config, read_metrics
+    import textrl.cli.train as cli
+
+    rows = {}
+    for cache in (True, False):
+        run = tmp_path / str(cache)
+        cfg = config(run, "iterations=1", "eval.every=1", "eval.before_training=false", "model.trainable_layers=1",
+                     "ppo.recompute_old=true", f"ppo.cache_frozen={cache}")
+        result = cli.train(cfg)
+        assert (result["module"].frozen is not None) == cache
+        rows[cache] = next(r for r in read_metrics(run) if r.get("loss/policy"))
+    assert float(rows[True]["policy/first_logratio_max"]) == 0.0
+    for key in ("loss/policy", "loss/value", "loss/entropy", "policy/approx_kl", "optim/grad_norm"):
+        assert float(rows[True][key]) == pytest.approx(float(rows[False][key]), rel=1e-4, abs=1e-6), key
