@@ -6,7 +6,8 @@ run, summarised as held-out win rate and steps (mean ± std over seeds), minutes
     python bench/learn.py --configs default --seeds 1 --tag medium -- experiment=medium_cpu
 
 Each configuration writes ``bench/results/learn_<tag>_<config>.json`` after every seed (a partial
-file is still a result: it lists the seeds it has). A run is ``python train.py <config overrides>
+file is still a result: it lists the seeds it has); a later invocation with other seeds and the same
+overrides adds its seeds to the file (each run keeps its command, commit, threads and minutes). A run is ``python train.py <config overrides>
 <extra overrides> seed=S hydra.run.dir=<runs>/<tag>/<config>/seed<S>`` in a subprocess, exactly what
 a user types, so ``textrl-report <runs>/<tag>`` groups the runs by configuration (Hydra's
 overrides) and plots their curves with bands. Games and the converted model are prepared before
@@ -33,7 +34,7 @@ import yaml
 
 from hydra import compose, initialize_config_dir
 
-from result import write_result  # bench/result.py (the script directory is on sys.path)
+from result import command, write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import CONF_DIR, native_bf16, register_configs, to_train_config
 from textrl.policy.model import load_tokenizer
 from textrl.training.datamodule import RolloutDataModule
@@ -107,9 +108,18 @@ def main(argv=None):
     RolloutDataModule(resolved).prepare_data()  # generate (or find) the games before any clock starts
     load_tokenizer(resolved.model, resolved.cache_dir)  # convert (or find) the model
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     for name in args.configs:
         out_path = ROOT / "bench" / "results" / f"learn_{args.tag}_{name}.json"
-        runs = []
+        overrides_all = [*CONFIGS[name], *args.overrides]
+        # seeds added later join the file's other seeds (same configuration and overrides); a file
+        # of another configuration under this name is replaced
+        previous = json.loads(out_path.read_text()) if out_path.is_file() else None
+        runs = [r for r in previous["runs"] if r["seed"] not in args.seeds] \
+            if previous and previous["overrides"] == overrides_all else []
+        commands = previous.get("commands", [previous["command"]]) if runs else []
+        for r in runs:  # files written before runs recorded their threads: the file's one figure
+            r.setdefault("threads", previous["torch_threads"])
         for seed in args.seeds:
             run_dir = (ROOT / args.runs / args.tag / name / f"seed{seed}").resolve()
             overrides = [*CONFIGS[name], *args.overrides, f"seed={seed}"]
@@ -120,10 +130,12 @@ def main(argv=None):
                 subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
             minutes = (time.perf_counter() - start) / 60
             runs.append({"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
+                         "commit": commit,
                          "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
                          **summarize_run(run_dir)})
+            runs.sort(key=lambda r: r["seed"])
             result = {
-                "config": name, "overrides": [*CONFIGS[name], *args.overrides],
+                "config": name, "overrides": overrides_all,
                 "seeds": [r["seed"] for r in runs],
                 "eval_win_rate": mean_std([r["eval_win_rate"] for r in runs]),
                 "eval_episode_len": mean_std([r["eval_episode_len"] for r in runs]),
@@ -132,6 +144,7 @@ def main(argv=None):
                 "precision": resolved.memory.precision, "cpu_native_bf16": native_bf16(False),
                 "torch": torch.__version__, "torch_threads": sorted({r["threads"] for r in runs}),
                 "machine": platform.processor() or platform.machine(),
+                "commands": [*commands, command(argv)],  # every invocation that added seeds to this file
             }
             write_result(str(out_path), result, argv,
                          show={k: result[k] for k in ("config", "seeds", "eval_win_rate", "eval_episode_len", "minutes")})
