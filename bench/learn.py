@@ -111,7 +111,8 @@ def main(argv=None):
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     for name in args.configs:
         out_path = ROOT / "bench" / "results" / f"learn_{args.tag}_{name}.json"
-        overrides_all = [*CONFIGS[name], *args.overrides]
+        # threads=N changes how fast a run goes, not what it learns: not part of what the file holds
+        overrides_all = [o for o in (*CONFIGS[name], *args.overrides) if not o.startswith("threads=")]
         # seeds added later join the file's other seeds (same configuration and overrides); a file
         # of another configuration under this name is replaced
         previous = json.loads(out_path.read_text()) if out_path.is_file() else None
