@@ -10,32 +10,33 @@ import tempfile
 import time
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
-from textrl.games.pool import DIFFICULTIES, GamePool
+from textrl.config import env_options
+from textrl.games.pool import GamePool
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--difficulty", default="easy", choices=sorted(DIFFICULTIES))
+    ap.add_argument("--env", "--difficulty", dest="env", default="easy", choices=env_options())
     ap.add_argument("--games", type=int, default=64)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="bench/results/games.json")
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as cache:  # always a cold cache: generation is what is measured
-        pool = GamePool(args.difficulty, cache_dir=cache, workers=args.workers)
+        pool = GamePool(args.env, cache_dir=cache, workers=args.workers)
         start = time.perf_counter()
         games = pool.games("train", args.games)
         generate_s = time.perf_counter() - start
         generated = pool.generated
 
-        again = GamePool(args.difficulty, cache_dir=cache, workers=args.workers)
+        again = GamePool(args.env, cache_dir=cache, workers=args.workers)
         start = time.perf_counter()
         loaded = again.games("train", args.games)
         load_s = time.perf_counter() - start
         assert loaded == games and again.generated == 0
 
     out = {
-        "difficulty": args.difficulty,
+        "difficulty": args.env,
         "games": len(games),
         "workers": args.workers,
         "generated": generated,

@@ -29,7 +29,7 @@ def options(group):
 def test_defaults_are_easy_smollm2_csv():
     cfg = compose_train()
     assert isinstance(cfg, TrainConfig)
-    assert (cfg.env.difficulty, cfg.model.name, cfg.logger.name, cfg.memory.name) == ("easy", "smollm2", "csv", "auto")
+    assert (cfg.env.name, cfg.model.name, cfg.logger.name, cfg.memory.name) == ("easy", "smollm2", "csv", "auto")
 
 
 def test_the_dataclass_defaults_are_the_defaults_of_train_py():
@@ -68,7 +68,7 @@ def test_every_option_of_every_group_composes(group):
             continue
         cfg = compose_train([f"{group}={option}"])
         if group == "env":
-            assert cfg.env.difficulty == option
+            assert cfg.env.name == option
         if group in {"model", "logger", "memory"}:
             assert getattr(cfg, group).name == option
 
@@ -76,7 +76,9 @@ def test_every_option_of_every_group_composes(group):
 @pytest.mark.parametrize("override, message", [
     ("ppo.lr_lm=-0.001", "ppo.lr_lm=-0.001 is not allowed: a number > 0"),
     ("env.num_envs=0", "env.num_envs=0 is not allowed: an integer >= 1"),
-    ("env.difficulty=impossible", "env.difficulty='impossible' is not allowed: one of ['easy', 'hard', 'medium']"),
+    ("env.game=impossible", "env.game='impossible' is not allowed: one of ['textworld', 'tw-simple'"),
+    ("env.rooms=0", "env.rooms=0 is not allowed: an integer >= 1 with env.game=textworld"),
+    ("env.max_steps=0", "env.max_steps=0 is not allowed: an integer >= 1"),
     ("ppo.gamma=1.5", "ppo.gamma=1.5 is not allowed: a number in (0, 1]"),
     ("ppo.temperature_min=2.0", "ppo.temperature_min=2.0 is not allowed"),
 ])

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from textrl.games.env import Observation, TextGame
+from textrl.games.pool import game_name
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import Action, Decision
 from textrl.policy.trie import CommandTrie
@@ -73,7 +74,7 @@ def episode_seeds(seed: int, iteration: int, games: list) -> list[int]:
     seen: dict[str, int] = {}
     seeds = []
     for game in games:
-        name = Path(game).parent.name or str(game)
+        name = game_name(game)
         k = seen[name] = seen.get(name, -1) + 1
         digest = hashlib.sha256(f"{seed}/{iteration}/{name}/{k}".encode()).digest()
         seeds.append(int.from_bytes(digest[:8], "little") >> 1)
@@ -118,7 +119,7 @@ def play_uniform(envs: list[TextGame], seed: int = 0) -> tuple[list[Episode], Ro
     played the same way whatever batch it is in. The action is one decision over the commands (not
     tokens), with log-prob -log(number of commands), so transcripts and metrics treat it like a model's.
     """
-    rngs = [random.Random(f"{seed}/{Path(env.game_file).parent.name}") for env in envs]
+    rngs = [random.Random(f"{seed}/{game_name(env.game_file)}") for env in envs]
 
     def act(live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
         chosen = []

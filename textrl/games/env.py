@@ -1,8 +1,9 @@
 """One TextWorld game behind ``reset()`` / ``step(command)``.
 
-Reward per step = score change + ``win_bonus`` on the winning step − ``step_penalty``.
-An episode ends when the game is won or lost (``terminated``) or after ``max_steps`` commands
-(``truncated``). A command that is not admissible is refused before it reaches the game.
+Reward per step = score change + ``win_bonus`` on the winning step − ``loss_penalty`` on the
+losing step − ``step_penalty``. An episode ends when the game is won or lost (``terminated``; only
+some families can be lost, e.g. tw-cooking: a burnt ingredient, an eaten one) or after
+``max_steps`` commands (``truncated``). A command that is not admissible is refused before it reaches the game.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ _BANNER_LINE = re.compile(r"^\s*>.*$|^\s*-= .* =-\s*\d+/\d+\s*$", re.MULTILINE)
 def clean_feedback(text: str) -> str:
     """Drop the command prompt / status-bar lines and the end-of-game menu; squeeze blank lines."""
     text = text.split("*** The End ***")[0]
+    text = text.split("*** You lost! ***")[0]  # a lost game's banner (tw-cooking), then its score line
     text = text.split("Would you like to RESTART")[0]
     text = _BANNER_LINE.sub("", text)
     return re.sub(r"\n\s*\n+", "\n", text).strip()
@@ -107,7 +109,7 @@ class TextGame:
     """
 
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
-                 win_bonus: float = 1.0, history_len: int = 8):
+                 win_bonus: float = 1.0, history_len: int = 8, loss_penalty: float = 1.0):
         game_file = Path(game_file)
         check_game_file(game_file)
         if max_steps < 1:
@@ -116,6 +118,7 @@ class TextGame:
         self.max_steps = max_steps
         self.step_penalty = step_penalty
         self.win_bonus = win_bonus
+        self.loss_penalty = loss_penalty
         if history_len < 1:
             raise ValueError(f"history_len must be >= 1, got {history_len}")
         self.history_len = history_len
@@ -130,6 +133,11 @@ class TextGame:
         self.observation: Observation | None = None
         self.steps = 0
         self.walkthrough: list[str] = []
+
+    @classmethod
+    def for_env(cls, game_file: str | Path, env) -> TextGame:
+        """The game with an EnvConfig's step limit, rewards and history length."""
+        return cls(game_file, env.max_steps, env.step_penalty, env.win_bonus, env.history_len, env.loss_penalty)
 
     def _observe(self, state, feedback: str) -> Observation:
         return Observation(
@@ -171,7 +179,8 @@ class TextGame:
             del self.history[: max(1, self.history_len // 2)]
         new = self._observe(state, clean_feedback(state.feedback))
         self.observation = new
-        reward = (new.score - obs.score) + (self.win_bonus if new.won else 0.0) - self.step_penalty
+        reward = ((new.score - obs.score) + (self.win_bonus if new.won else 0.0)
+                  - (self.loss_penalty if new.lost else 0.0) - self.step_penalty)
         terminated = new.won or new.lost
         truncated = not terminated and self.steps >= self.max_steps
         return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})

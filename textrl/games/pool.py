@@ -1,6 +1,6 @@
 """Seeded TextWorld games, generated once in worker processes and cached on disk.
 
-Layout: ``<cache_dir>/<difficulty key>/<seed>/`` holds the compiled game (``game.z8`` plus its
+Layout: ``<cache_dir>/games/<GameSpec.key>/<seed>/`` holds the compiled game (``game.z8`` plus its
 ``game.json``) and ``ok.json``, written last, with the SHA-256 of each file. A directory without a
 matching ``ok.json`` is a truncated or corrupt entry and is regenerated. A seed that TextWorld cannot
 generate or compile gets a ``failed.txt`` with the error, is skipped with a warning, and the pool
@@ -12,6 +12,7 @@ evaluation seeds start at ``EVAL_SEED_BASE``.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -22,8 +23,11 @@ import shutil
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
+
+from textrl.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -33,32 +37,81 @@ GAME_FILES = ("game.z8", "game.json")
 MAX_FAILURES = 16  # more failed seeds than this (or than games asked for) means the settings are broken
 
 
+CHALLENGES = ("tw-simple", "tw-coin_collector", "tw-treasure_hunter", "tw-cooking")  # TextWorld's own families
+GAMES = ("textworld", *CHALLENGES)
+_GENERATOR_KEYS = ("rooms", "objects", "quest_length", "theme")  # what game=textworld generates from
+
+
+class _SettingsParser(argparse.ArgumentParser):
+    """A challenge family's own argument parser (the one ``tw-make`` uses), raising instead of exiting."""
+
+    def error(self, message):
+        raise ConfigError(f"env.settings of {self.prog}: {message} (its settings: {self.format_usage().strip()}; "
+                          f"write them as env.settings.<name>=<value>, booleans as true)")
+
+
+def challenge_settings(game: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` checked by the family's own argument parser and completed with its defaults."""
+    from textworld.challenges import CHALLENGES as REGISTERED
+
+    parser = _SettingsParser(prog=game, add_help=False)
+    REGISTERED[game][2](parser)
+    args = []
+    for key, value in settings.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not False and value is not None:
+            args += [flag, str(value)]
+    return vars(parser.parse_args(args))
+
+
 @dataclass(frozen=True)
-class Difficulty:
-    """Generation settings for one difficulty; ``max_steps`` is the episode step limit."""
+class GameSpec:
+    """How the games of one setting are made from a seed: TextWorld's generator with rooms, objects,
+    quest length and theme (``game="textworld"``), or one of TextWorld's challenge families with its
+    complete settings. ``max_steps`` is the episode step limit."""
 
     name: str
-    nb_rooms: int
-    nb_objects: int
-    quest_length: int
     max_steps: int
-    theme: str = "house"
+    game: str = "textworld"
+    rooms: int | None = None
+    objects: int | None = None
+    quest_length: int | None = None
+    theme: str | None = None
+    settings: tuple[tuple[str, Any], ...] = ()  # a challenge family's settings, defaults filled in
+
+    @classmethod
+    def from_env(cls, env) -> GameSpec:
+        """The spec of an EnvConfig; a ConfigError names a key that does not fit its ``env.game``."""
+        if env.game not in GAMES:
+            raise ConfigError(f"env.game={env.game!r} is not allowed: one of {list(GAMES)}")
+        generator = {key: getattr(env, key) for key in _GENERATOR_KEYS}
+        if env.game == "textworld":
+            for key in _GENERATOR_KEYS[:3]:
+                if not isinstance(generator[key], int) or generator[key] < 1:
+                    raise ConfigError(f"env.{key}={generator[key]!r} is not allowed: an integer >= 1 with env.game=textworld")
+            if env.settings:
+                raise ConfigError(f"env.settings={dict(env.settings)} is not allowed with env.game=textworld: the "
+                                  f"generator takes env.rooms, env.objects, env.quest_length and env.theme")
+            return cls(env.name, env.max_steps, **generator)
+        given = [key for key, value in generator.items() if value is not None]
+        if given:
+            raise ConfigError(f"env.{given[0]}={generator[given[0]]!r} is not allowed with env.game={env.game}: "
+                              f"set it to null (a challenge family is configured by env.settings)")
+        return cls(env.name, env.max_steps, env.game,
+                   settings=tuple(sorted(challenge_settings(env.game, env.settings).items())))
 
     @property
     def key(self) -> str:
+        """The cache folder: every setting that changes the games, and TextWorld's version."""
         import textworld
 
-        return (
-            f"{self.name}-r{self.nb_rooms}-o{self.nb_objects}-q{self.quest_length}"
-            f"-{self.theme}-tw{textworld.__version__}"
-        )
-
-
-DIFFICULTIES = {
-    "easy": Difficulty("easy", nb_rooms=2, nb_objects=4, quest_length=1, max_steps=8),
-    "medium": Difficulty("medium", nb_rooms=3, nb_objects=4, quest_length=3, max_steps=32),
-    "hard": Difficulty("hard", nb_rooms=6, nb_objects=6, quest_length=5, max_steps=32),
-}
+        if self.game == "textworld":
+            what = f"r{self.rooms}-o{self.objects}-q{self.quest_length}-{self.theme}"
+        else:
+            what = "-".join(k if v is True else f"{k}{v}" for k, v in self.settings if v is not False and v is not None)
+        return f"{self.game}-{what}-tw{textworld.__version__}"
 
 
 def default_cache_dir() -> Path:
@@ -78,6 +131,12 @@ def seed_for(split: str, index: int) -> int:
     return index if split == "train" else EVAL_SEED_BASE + index
 
 
+def game_name(path: str | Path) -> str:
+    """A game's short name: its seed for a pool game (``<key>/<seed>/game.z8``), else its file name."""
+    path = Path(path)
+    return path.parent.name if path.name == GAME_FILES[0] else path.name
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -91,9 +150,10 @@ def is_valid_entry(entry: Path) -> bool:
         return False
 
 
-def _generate(difficulty: Difficulty, seed: int, entry: Path) -> str | None:
+def _generate(spec: GameSpec, seed: int, entry: Path) -> str | None:
     """Worker: generate and compile one game into ``entry``. Returns an error text or None."""
     import textworld
+    from textworld.challenges import CHALLENGES as REGISTERED
     from textworld.generator import compile_game, make_game
 
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -101,13 +161,15 @@ def _generate(difficulty: Difficulty, seed: int, entry: Path) -> str | None:
     try:
         options = textworld.GameOptions()
         options.seeds = seed
-        options.nb_rooms = difficulty.nb_rooms
-        options.nb_objects = difficulty.nb_objects
-        options.quest_length = difficulty.quest_length
-        options.theme = difficulty.theme
         options.path = str(tmp / "game.z8")
         options.force_recompile = True
-        compile_game(make_game(options), options)
+        if spec.game == "textworld":
+            options.nb_rooms, options.nb_objects = spec.rooms, spec.objects
+            options.quest_length, options.theme = spec.quest_length, spec.theme
+            game = make_game(options)
+        else:
+            game = REGISTERED[spec.game][1](dict(spec.settings), options)
+        compile_game(game, options)
         manifest = {name: _sha256(tmp / name) for name in GAME_FILES}
         (tmp / "ok.json").write_text(json.dumps(manifest))
         if entry.exists():
@@ -124,21 +186,21 @@ def _generate(difficulty: Difficulty, seed: int, entry: Path) -> str | None:
 
 
 class GamePool:
-    """Compiled games of one difficulty, addressed by split and index.
+    """Compiled games of one setting, addressed by split and index.
 
-    >>> pool = GamePool(DIFFICULTIES["easy"])
+    >>> pool = GamePool("easy")                  # an env option's name, or a GameSpec
     >>> paths = pool.games("train", 16)          # generates what is missing, reuses the rest
     """
 
-    def __init__(self, difficulty: Difficulty | str, cache_dir: str | Path | None = None, workers: int = 2):
-        if isinstance(difficulty, str):
-            if difficulty not in DIFFICULTIES:
-                raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {sorted(DIFFICULTIES)}")
-            difficulty = DIFFICULTIES[difficulty]
+    def __init__(self, spec: GameSpec | str, cache_dir: str | Path | None = None, workers: int = 2):
+        if isinstance(spec, str):
+            from textrl.config import load_env_config
+
+            spec = GameSpec.from_env(load_env_config(spec))
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        self.difficulty = difficulty
-        self.root = Path(cache_dir or default_cache_dir()) / "games" / difficulty.key
+        self.spec = spec
+        self.root = Path(cache_dir or default_cache_dir()) / "games" / spec.key
         self.workers = workers
         self.generated = 0  # games generated (not loaded from cache) by this pool, for tests and benchmarks
 
@@ -164,7 +226,7 @@ class GamePool:
         while len(found) < n:
             batch = list(itertools.islice(seeds, n - len(found)))
             if not batch:
-                raise RuntimeError(f"ran out of seeds after {len(found)} of {n} {self.difficulty.name} games")
+                raise RuntimeError(f"ran out of seeds after {len(found)} of {n} {self.spec.name} games")
             missing = []
             for seed in batch:
                 entry = self.entry(seed)
@@ -172,7 +234,7 @@ class GamePool:
                     found.append((seed, entry / "game.z8"))
                 elif (entry / "failed.txt").exists():
                     failures += 1
-                    log.warning("skipping %s game seed %d (failed before): %s", self.difficulty.name, seed,
+                    log.warning("skipping %s game seed %d (failed before): %s", self.spec.name, seed,
                                 (entry / "failed.txt").read_text())
                 else:
                     if entry.exists():
@@ -183,18 +245,18 @@ class GamePool:
                     found.append((seed, self.entry(seed) / "game.z8"))
                 else:
                     failures += 1
-                    log.warning("skipping %s game seed %d: %s", self.difficulty.name, seed, error)
+                    log.warning("skipping %s game seed %d: %s", self.spec.name, seed, error)
             if failures > max(MAX_FAILURES, n):
                 raise RuntimeError(
-                    f"{failures} {self.difficulty.name} game seeds failed to generate (see the warnings); "
-                    f"check the difficulty settings {self.difficulty} and the TextWorld install")
+                    f"{failures} {self.spec.name} game seeds failed to generate (see the warnings); "
+                    f"check the settings {self.spec} and the TextWorld install")
         return [path for _, path in sorted(found)]
 
     def _generate_all(self, seeds: list[int]) -> list[str | None]:
         if not seeds:
             return []
         self.root.mkdir(parents=True, exist_ok=True)
-        jobs = [(self.difficulty, s, self.entry(s)) for s in seeds]
+        jobs = [(self.spec, s, self.entry(s)) for s in seeds]
         self.generated += len(seeds)
         if self.workers == 1 or len(seeds) == 1:
             return [_generate(*job) for job in jobs]

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from textrl.config import TrainConfig
+from textrl.config import TrainConfig, load_env_config
 from textrl.policy.model import PolicyValueModel, build_policy
 
 
@@ -47,7 +47,16 @@ def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, 
 
 
 def checkpoint_config(state: dict) -> TrainConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), state["textrl"]["config"]))
+    saved = OmegaConf.create(state["textrl"]["config"])
+    env = saved.get("env", {})
+    if "difficulty" in env:
+        # written before env options named their games (env.difficulty, max_steps null = the
+        # difficulty's): the same games and step limit under today's keys
+        preset = load_env_config(env.pop("difficulty"))
+        env.max_steps = env.get("max_steps") or preset.max_steps
+        for key in ("name", "game", "rooms", "objects", "quest_length", "theme"):
+            env[key] = getattr(preset, key)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
 
 
 def load_policy_weights(policy: PolicyValueModel, state: dict, lora: bool, origin: str) -> None:

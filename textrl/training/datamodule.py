@@ -17,7 +17,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from textrl.config import TrainConfig
-from textrl.games.pool import GamePool
+from textrl.games.pool import GamePool, GameSpec
 
 
 def _as_is(item):
@@ -41,7 +41,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _pool_games(self):
         e = self.cfg.env
-        pool = GamePool(e.difficulty, cache_dir=self.cfg.cache_dir, workers=e.workers)
+        pool = GamePool(GameSpec.from_env(e), cache_dir=self.cfg.cache_dir, workers=e.workers)
         n_train = e.num_envs // e.group_size if e.repeatable else e.pool_size
         return pool.games("train", n_train), pool.games("eval", self.cfg.eval.games)
 

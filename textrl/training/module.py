@@ -33,7 +33,6 @@ from omegaconf import OmegaConf
 
 from textrl.config import PPOConfig, TrainConfig
 from textrl.games.env import TextGame
-from textrl.games.pool import DIFFICULTIES
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
 from textrl.policy.memory import make_optimizer
@@ -71,7 +70,6 @@ class PPOModule(L.LightningModule):
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder.for_env(tokenizer, cfg.env)
         self.decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
-        self.max_steps = cfg.env.max_steps or DIFFICULTIES[cfg.env.difficulty].max_steps
         self._eval_episodes: list[list[Episode]] = [[], []]
         self._eval_start = 0.0
         self.iterations_done = 0  # completed PPO iterations (saved in checkpoints)
@@ -176,8 +174,7 @@ class PPOModule(L.LightningModule):
     # ---- the pieces training_step calls -------------------------------------------------------
     def play(self, games: list[Path], temperature: float = 1.0, seeds: list[int] | None = None) -> tuple[list[Episode], RolloutStats]:
         """Sampled training episodes (with ``seeds``) or greedy evaluation episodes (without)."""
-        envs = [TextGame(g, self.max_steps, self.cfg.env.step_penalty, self.cfg.env.win_bonus,
-                         self.cfg.env.history_len) for g in games]
+        envs = [TextGame.for_env(g, self.cfg.env) for g in games]
         # the same autocast as the update (bf16-mixed etc.), so rollout and update compute one function
         precision = self._trainer.precision_plugin.forward_context() if self._trainer else contextlib.nullcontext()
         was_training = self.policy.training
