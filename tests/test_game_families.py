@@ -11,13 +11,15 @@ from omegaconf import OmegaConf
 
 from textrl.cli.evaluate import main as eval_main
 from textrl.config import ConfigError, load_env_config
-from textrl.games.env import TextGame
+from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.policy.checkpoint import checkpoint_config
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.rollout import play
 
 FAMILIES = ["tw_simple", "tw_coin", "tw_treasure", "tw_cooking"]
+EXPRESS = ["twx_cookingworld", "twx_coin", "twx_twc", "twx_mapreader", "twx_arithmetic", "twx_sorting",
+           "twx_simonsays", "twx_peckingorder"]
 
 
 def games_of(option: str, split: str = "eval", n: int = 1, **changes):
@@ -27,10 +29,10 @@ def games_of(option: str, split: str = "eval", n: int = 1, **changes):
     return env, GamePool(GameSpec.from_env(env)).games(split, n)
 
 
-@pytest.mark.parametrize("option", FAMILIES + ["custom"])
+@pytest.mark.parametrize("option", FAMILIES + EXPRESS + ["custom"])
 def test_walkthrough_wins_through_textrl_env(option):
     env, (path,) = games_of(option)
-    game = TextGame.for_env(path, env)
+    game = open_game(path, env)
     obs = game.reset()
     assert game.walkthrough and obs.objective is not None
     total = 0.0
@@ -49,7 +51,7 @@ def test_walkthrough_wins_through_textrl_env(option):
 
 def test_losing_a_cooking_game_ends_it_and_costs_the_loss_penalty():
     env, (path,) = games_of("tw_cooking", loss_penalty=0.7)
-    game = TextGame.for_env(path, env)
+    game = open_game(path, env)
     game.reset()
     walkthrough = game.walkthrough
     take = next(i for i, c in enumerate(walkthrough) if c.startswith("take "))
@@ -63,17 +65,17 @@ def test_losing_a_cooking_game_ends_it_and_costs_the_loss_penalty():
     assert "You lost" not in result.observation.feedback  # the end-of-game banner is not an observation
 
 
-@pytest.mark.parametrize("option", FAMILIES)
+@pytest.mark.parametrize("option", FAMILIES + EXPRESS)
 def test_only_admissible_commands_and_disjoint_splits(option, tiny):
     policy, tokenizer = tiny
-    env, train = games_of(option, "train", 2)
+    env, train = games_of(option, "train", 2, max_steps=6)
     _, evals = games_of(option, "eval", 2)
     assert not set(train) & set(evals)
     assert {p.read_bytes() for p in train}.isdisjoint({p.read_bytes() for p in evals})
     from textrl.games.prompt import PromptBuilder
 
     prompts = PromptBuilder.for_env(tokenizer, env, max_prompt_tokens=4096)
-    episodes, _ = play([TextGame.for_env(p, env) for p in evals], ConstrainedDecoder(policy, tokenizer.pad_token_id),
+    episodes, _ = play([open_game(p, env) for p in evals], ConstrainedDecoder(policy, tokenizer.pad_token_id),
                        prompts, temperature=1.0, seeds=[1, 2])
     assert all(e.steps for e in episodes)
     assert all(s.action.command in s.observation.admissible_commands for e in episodes for s in e.steps)
@@ -150,3 +152,21 @@ def test_checkpoints_written_before_env_options_load_as_the_same_games():
     medium = load_env_config("medium")
     assert (env.name, env.rooms, env.quest_length, env.max_steps, env.goal_last) == ("medium", 3, 3, 32, True)
     assert GameSpec.from_env(env).key == GameSpec.from_env(medium).key
+
+
+def test_express_games_are_the_engine_folds_and_need_java(monkeypatch):
+    from textrl.games.express import read_descriptor
+
+    env, train = games_of("twx_coin", "train", 3)
+    _, evals = games_of("twx_coin", "eval", 3)
+    folds = [read_descriptor(p) for p in train + evals]
+    assert [d["fold"] for d in folds] == ["train"] * 3 + ["dev"] * 3
+    assert len({(d["fold"], d["seed"]) for d in folds}) == 6
+    assert all(sorted(d["params"].split(",")) == ["includeDoors=0", "limitInventorySize=0", "numDistractorItems=0", "numLocations=3"] for d in folds)
+    bad = load_env_config("twx_coin")
+    bad.settings = {"numLocations": 300}
+    with pytest.raises(ConfigError, match="Number of locations must be less than or equal to 11"):
+        GameSpec.from_env(bad)
+    monkeypatch.setenv("PATH", "/nonexistent")  # a machine without Java: said at start, with the fix
+    with pytest.raises(ConfigError, match=r"env.game=twx-coin: TextWorldExpress runs its game engine in Java.*apt-get install"):
+        GameSpec.from_env(load_env_config("twx_coin"))

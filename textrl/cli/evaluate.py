@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from textrl.config import load_env_config, load_model_config, native_bf16
-from textrl.games.env import TextGame, check_game_file
+from textrl.games.env import check_game_file, open_game
 from textrl.games.pool import GamePool, GameSpec, game_name
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
@@ -138,7 +138,7 @@ def evaluate(policy_source: str, env_name: str | None = None, games: int = 64, b
         decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
     episodes: list[Episode] = []
     for start in range(0, len(paths), batch):
-        envs = [TextGame.for_env(p, env) for p in paths[start:start + batch]]
+        envs = [open_game(p, env) for p in paths[start:start + batch]]
         try:
             if policy is None:
                 episodes += play_uniform(envs, seed)[0]

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from textrl.config import EnvConfig, load_env_config, load_model_config
-from textrl.games.env import InvalidCommandError, TextGame
+from textrl.games.env import InvalidCommandError, open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder, observation_text
 from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             policy, prompts, env_cfg = _load_player(args)
             decoder = ConstrainedDecoder(policy, prompts.tokenizer.pad_token_id)
         path = args.game_file or GamePool(GameSpec.from_env(env_cfg)).games(args.split, 1, start=args.game)[0]
-        env = TextGame.for_env(path, env_cfg)
+        env = open_game(path, env_cfg)
     except (CheckpointError, ModelNotFoundError, ValueError) as exc:  # ConfigError and GameFileError too
         raise SystemExit(f"error: {exc}") from None
     obs = env.reset()

@@ -38,7 +38,10 @@ MAX_FAILURES = 16  # more failed seeds than this (or than games asked for) means
 
 
 CHALLENGES = ("tw-simple", "tw-coin_collector", "tw-treasure_hunter", "tw-cooking")  # TextWorld's own families
-GAMES = ("textworld", *CHALLENGES)
+# TextWorldExpress's games (textrl.games.express), configured by their engine parameters
+EXPRESS = tuple(f"twx-{g}" for g in ("cookingworld", "coin", "twc", "mapreader", "arithmetic", "sorting",
+                                     "simonsays", "peckingorder"))
+GAMES = ("textworld", *CHALLENGES, *EXPRESS)
 _GENERATOR_KEYS = ("rooms", "objects", "quest_length", "theme")  # what game=textworld generates from
 
 
@@ -98,9 +101,22 @@ class GameSpec:
         given = [key for key, value in generator.items() if value is not None]
         if given:
             raise ConfigError(f"env.{given[0]}={generator[given[0]]!r} is not allowed with env.game={env.game}: "
-                              f"set it to null (a challenge family is configured by env.settings)")
+                              f"set it to null (env.game={env.game} is configured by env.settings)")
+        if env.game in EXPRESS:
+            from textrl.games import express
+
+            if not express.java_available():
+                raise ConfigError(f"env.game={env.game}: {express.JAVA_MISSING}")
+            settings = dict(env.settings)
+            express.check_params(env.game.removeprefix("twx-"), settings)
+            return cls(env.name, env.max_steps, env.game, settings=tuple(sorted(settings.items())))
         return cls(env.name, env.max_steps, env.game,
                    settings=tuple(sorted(challenge_settings(env.game, env.settings).items())))
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files of one cached game; the first is the one games are opened by."""
+        return ("game.twx",) if self.game in EXPRESS else GAME_FILES
 
     @property
     def key(self) -> str:
@@ -109,6 +125,10 @@ class GameSpec:
 
         if self.game == "textworld":
             what = f"r{self.rooms}-o{self.objects}-q{self.quest_length}-{self.theme}"
+        elif self.game in EXPRESS:
+            from textworld_express.version import __version__
+
+            return "-".join([self.game, *(f"{k}{v}" for k, v in self.settings), f"twx{__version__}"])
         else:
             what = "-".join(k if v is True else f"{k}{v}" for k, v in self.settings if v is not False and v is not None)
         return f"{self.game}-{what}-tw{textworld.__version__}"
@@ -134,24 +154,25 @@ def seed_for(split: str, index: int) -> int:
 def game_name(path: str | Path) -> str:
     """A game's short name: its seed for a pool game (``<key>/<seed>/game.z8``), else its file name."""
     path = Path(path)
-    return path.parent.name if path.name == GAME_FILES[0] else path.name
+    return path.parent.name if path.stem == "game" else path.name
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def is_valid_entry(entry: Path) -> bool:
+def is_valid_entry(entry: Path, files: tuple[str, ...] = GAME_FILES) -> bool:
     """True when every game file exists and matches the hash recorded in ``ok.json``."""
     try:
         manifest = json.loads((entry / "ok.json").read_text())
-        return all(_sha256(entry / name) == manifest[name] for name in GAME_FILES)
+        return all(_sha256(entry / name) == manifest[name] for name in files)
     except (OSError, ValueError, KeyError):
         return False
 
 
-def _generate(spec: GameSpec, seed: int, entry: Path) -> str | None:
-    """Worker: generate and compile one game into ``entry``. Returns an error text or None."""
+def _generate(spec: GameSpec, seed: int, entry: Path, express_seed: int | None = None) -> str | None:
+    """Worker: generate and compile one game into ``entry`` (a TextWorldExpress game: write its
+    descriptor, with the engine's ``express_seed``). Returns an error text or None."""
     import textworld
     from textworld.challenges import CHALLENGES as REGISTERED
     from textworld.generator import compile_game, make_game
@@ -163,14 +184,22 @@ def _generate(spec: GameSpec, seed: int, entry: Path) -> str | None:
         options.seeds = seed
         options.path = str(tmp / "game.z8")
         options.force_recompile = True
-        if spec.game == "textworld":
-            options.nb_rooms, options.nb_objects = spec.rooms, spec.objects
-            options.quest_length, options.theme = spec.quest_length, spec.theme
-            game = make_game(options)
+        if spec.game in EXPRESS:
+            from textrl.games.express import write_descriptor
+
+            if express_seed is None:
+                raise ValueError(f"the {'train' if seed < EVAL_SEED_BASE else 'eval'} fold has no game left for seed {seed}")
+            split = "train" if seed < EVAL_SEED_BASE else "eval"
+            write_descriptor(tmp / "game.twx", spec.game.removeprefix("twx-"), dict(spec.settings), split, express_seed)
         else:
-            game = REGISTERED[spec.game][1](dict(spec.settings), options)
-        compile_game(game, options)
-        manifest = {name: _sha256(tmp / name) for name in GAME_FILES}
+            if spec.game == "textworld":
+                options.nb_rooms, options.nb_objects = spec.rooms, spec.objects
+                options.quest_length, options.theme = spec.quest_length, spec.theme
+                game = make_game(options)
+            else:
+                game = REGISTERED[spec.game][1](dict(spec.settings), options)
+            compile_game(game, options)
+        manifest = {name: _sha256(tmp / name) for name in spec.files}
         (tmp / "ok.json").write_text(json.dumps(manifest))
         if entry.exists():
             shutil.rmtree(entry)
@@ -203,6 +232,7 @@ class GamePool:
         self.root = Path(cache_dir or default_cache_dir()) / "games" / spec.key
         self.workers = workers
         self.generated = 0  # games generated (not loaded from cache) by this pool, for tests and benchmarks
+        self._fold_seeds: dict[str, list[int]] = {}  # TextWorldExpress: the engine's seeds of each fold
 
     def entry(self, seed: int) -> Path:
         return self.root / str(seed)
@@ -230,8 +260,8 @@ class GamePool:
             missing = []
             for seed in batch:
                 entry = self.entry(seed)
-                if is_valid_entry(entry):
-                    found.append((seed, entry / "game.z8"))
+                if is_valid_entry(entry, self.spec.files):
+                    found.append((seed, entry / self.spec.files[0]))
                 elif (entry / "failed.txt").exists():
                     failures += 1
                     log.warning("skipping %s game seed %d (failed before): %s", self.spec.name, seed,
@@ -242,7 +272,7 @@ class GamePool:
                     missing.append(seed)
             for seed, error in zip(missing, self._generate_all(missing)):
                 if error is None:
-                    found.append((seed, self.entry(seed) / "game.z8"))
+                    found.append((seed, self.entry(seed) / self.spec.files[0]))
                 else:
                     failures += 1
                     log.warning("skipping %s game seed %d: %s", self.spec.name, seed, error)
@@ -256,8 +286,10 @@ class GamePool:
         if not seeds:
             return []
         self.root.mkdir(parents=True, exist_ok=True)
-        jobs = [(self.spec, s, self.entry(s)) for s in seeds]
         self.generated += len(seeds)
+        if self.spec.game in EXPRESS:  # a descriptor per game: nothing to spread over workers
+            return [_generate(self.spec, s, self.entry(s), self._express_seed(s)) for s in seeds]
+        jobs = [(self.spec, s, self.entry(s)) for s in seeds]
         if self.workers == 1 or len(seeds) == 1:
             return [_generate(*job) for job in jobs]
         # fork: spawn would re-import the caller's __main__ (breaking unguarded scripts); the children
@@ -265,3 +297,13 @@ class GamePool:
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=min(self.workers, len(seeds)), mp_context=ctx) as ex:
             return list(ex.map(_generate, *zip(*jobs)))
+
+    def _express_seed(self, seed: int) -> int | None:
+        """The engine seed of textrl game ``seed``: the n-th valid seed of the split's fold."""
+        from textrl.games.express import fold_seeds
+
+        split, index = ("train", seed) if seed < EVAL_SEED_BASE else ("eval", seed - EVAL_SEED_BASE)
+        if split not in self._fold_seeds:
+            self._fold_seeds[split] = fold_seeds(self.spec.game.removeprefix("twx-"), dict(self.spec.settings), split)
+        seeds = self._fold_seeds[split]
+        return seeds[index] if index < len(seeds) else None

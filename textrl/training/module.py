@@ -32,7 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 from textrl.config import PPOConfig, TrainConfig
-from textrl.games.env import TextGame
+from textrl.games.env import open_game
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
 from textrl.policy.memory import make_optimizer
@@ -174,7 +174,7 @@ class PPOModule(L.LightningModule):
     # ---- the pieces training_step calls -------------------------------------------------------
     def play(self, games: list[Path], temperature: float = 1.0, seeds: list[int] | None = None) -> tuple[list[Episode], RolloutStats]:
         """Sampled training episodes (with ``seeds``) or greedy evaluation episodes (without)."""
-        envs = [TextGame.for_env(g, self.cfg.env) for g in games]
+        envs = [open_game(g, self.cfg.env) for g in games]
         # the same autocast as the update (bf16-mixed etc.), so rollout and update compute one function
         precision = self._trainer.precision_plugin.forward_context() if self._trainer else contextlib.nullcontext()
         was_training = self.policy.training

@@ -1,7 +1,7 @@
 """Behaviour cloning on walkthroughs: the optional warm start before PPO (``warm_start.steps``).
 
 Every generated TextWorld game ships a walkthrough. Each of ``warm_start.games`` training games
-(the pool's train split: evaluation games are never read) is replayed through ``TextGame`` with its
+(the pool's train split: evaluation games are never read) is replayed through ``open_game`` with its
 walkthrough; one that asks for a command that is not admissible, or that does not win within the
 step limit, is skipped and counted. A replayed step is exactly the turn a rollout would record: the
 same prompt (``PromptBuilder``, same history), the same trie of the admissible commands, the same
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from textrl.config import ConfigError, TrainConfig
-from textrl.games.env import TextGame
+from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import forced_action, masked_logprobs
@@ -48,7 +48,7 @@ def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainCo
     games whose walkthrough was not admissible or did not win)."""
     kept, skipped = [], []
     for game in games:
-        env = TextGame.for_env(game, cfg.env)
+        env = open_game(game, cfg.env)
         episode = Episode(game=str(game))
         try:
             obs = env.reset()
