@@ -13,7 +13,7 @@ import textrl.cli.train  # noqa: F401  (registers the schemas)
 from textrl.config import CONF_DIR, ConfigError, TrainConfig, to_train_config
 
 CUDA_ONLY = {"fp16", "lowmem", "qlora"}
-GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment"]
+GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment", "curriculum"]
 
 
 def compose_train(overrides=()):

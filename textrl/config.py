@@ -195,6 +195,18 @@ class WarmStartConfig:
 
 
 @dataclass
+class CurriculumConfig:
+    """Training games that move through env options as the policy masters each (``curriculum=...``):
+    evaluation stays on ``env``, whose prompt settings every stage uses."""
+
+    stages: list[str] = field(default_factory=list)  # env options in order; empty: no curriculum
+    threshold: float = 0.8  # the rolling training win rate that moves on to the next stage
+    window: int = 3  # iterations the rolling win rate is taken over (all of them at the current stage)
+    replay: float = 0.25  # share of each iteration's training games drawn from recently lost ones
+    replay_size: int = 64  # how many recently lost games of the current stage are remembered
+
+
+@dataclass
 class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -204,6 +216,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     experiment: Optional[str] = None  # name of the experiment (set by conf/experiment/*), groups sweeps
     seed: int = 0
     iterations: int = 24  # about 16 minutes on 2 CPU cores with native bf16 (bench/results/learn_cpu.json)
@@ -268,6 +281,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ["every", "games", "batch"]:
         _check(f"eval.{key}", getattr(cfg.eval, key), getattr(cfg.eval, key) >= 1, "an integer >= 1")
     _check("eval.transcripts", cfg.eval.transcripts, cfg.eval.transcripts >= 0, "an integer >= 0")
+    c = cfg.curriculum
+    for stage in c.stages:
+        _check("curriculum.stages", list(c.stages), stage in env_options(), f"env options, each one of {env_options()}")
+        GameSpec.from_env(load_env_config(stage))  # its games can be made (Java for twx_*, ...)
+    _check("curriculum.threshold", c.threshold, 0 <= c.threshold <= 1, "a win rate in [0, 1]")
+    _check("curriculum.window", c.window, c.window >= 1, "an integer >= 1")
+    _check("curriculum.replay", c.replay, 0 <= c.replay < 1, "a share in [0, 1)")
+    _check("curriculum.replay_size", c.replay_size, c.replay_size >= 1, "an integer >= 1")
     n_train = e.num_envs // e.group_size if e.repeatable else e.pool_size
     _check("eval.train_games", cfg.eval.train_games, 0 <= cfg.eval.train_games <= n_train,
            f"between 0 and the training games available ({n_train})")

@@ -31,7 +31,7 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-from textrl.config import PPOConfig, TrainConfig
+from textrl.config import EnvConfig, PPOConfig, TrainConfig
 from textrl.games.env import open_game
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
@@ -86,7 +86,8 @@ class PPOModule(L.LightningModule):
     def training_step(self, batch: str, batch_idx: int) -> None:
         cfg, p = self.cfg, self.cfg.ppo
         iteration = self.current_epoch
-        games = self.trainer.datamodule.games_for_iteration(iteration)
+        data = self.trainer.datamodule
+        games, env = data.games_for_iteration(iteration), data.train_env  # env: a curriculum's stage
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         temperature = temperature_at(p, iteration)
         lr_lm, lr_value = (g["lr"] for g in optimizer.param_groups)  # the rates this iteration uses
@@ -94,8 +95,13 @@ class PPOModule(L.LightningModule):
         # 1. Rollout: one episode per game, each sampled with its own seed
         start = time.perf_counter()
         seeds = episode_seeds(cfg.seed, iteration, games)
-        episodes, stats = self.play(games, temperature=temperature, seeds=seeds)
+        episodes, stats = self.play(games, temperature=temperature, seeds=seeds, env=env)
         rollout_s = time.perf_counter() - start
+        stage = data.stage
+        if cfg.curriculum.stages:  # the curriculum moves on the win rate of all ranks' episodes
+            won = self.trainer.strategy.reduce(torch.tensor([sum(e.won for e in episodes), len(episodes)],
+                                                            dtype=torch.float32, device=self.device), reduce_op="sum")
+            data.record(float(won[0] / won[1]), [e.game for e in episodes if not e.won])
 
         # 2. Sequences and the optimizer steps over them; the old log-probs and values
         per_episode = [episode_sequences(e) for e in episodes]
@@ -166,15 +172,25 @@ class PPOModule(L.LightningModule):
         if self.reference is not None:
             metrics["perf/reference_s"] = reference_s
             metrics["policy/kl_ref"] = sums["kl_ref"] / n
+        if cfg.curriculum.stages:
+            metrics["curriculum/stage"] = float(stage)  # the stage this iteration played
+            metrics["curriculum/replayed"] = float(data.replayed)  # its games that were recently lost ones
+            if data.stage_win_rates:  # what the next move is decided on (empty right after a move)
+                metrics["curriculum/stage_win_rate"] = sum(data.stage_win_rates[-cfg.curriculum.window:]) / min(
+                    len(data.stage_win_rates), cfg.curriculum.window)
         self.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=True)  # means over ranks
         self.log("rollout/episodes", float(len(episodes)), on_step=True, on_epoch=False, sync_dist=True,
                  reduce_fx="sum")
         self.iterations_done = iteration + 1
 
     # ---- the pieces training_step calls -------------------------------------------------------
-    def play(self, games: list[Path], temperature: float = 1.0, seeds: list[int] | None = None) -> tuple[list[Episode], RolloutStats]:
-        """Sampled training episodes (with ``seeds``) or greedy evaluation episodes (without)."""
-        envs = [open_game(g, self.cfg.env) for g in games]
+    def play(self, games: list[Path], temperature: float = 1.0, seeds: list[int] | None = None,
+             env: EnvConfig | None = None) -> tuple[list[Episode], RolloutStats]:
+        """Sampled training episodes (with ``seeds``) or greedy evaluation episodes (without), of
+        ``env``'s games (default: ``cfg.env``; a curriculum stage's otherwise)."""
+        env = env or self.cfg.env
+        envs = [open_game(g, env) for g in games]
+        prompts = self.prompts if env is self.cfg.env else PromptBuilder.for_env(self.tokenizer, env)
         # the same autocast as the update (bf16-mixed etc.), so rollout and update compute one function
         precision = self._trainer.precision_plugin.forward_context() if self._trainer else contextlib.nullcontext()
         was_training = self.policy.training
@@ -182,7 +198,7 @@ class PPOModule(L.LightningModule):
         greedy = seeds is None
         try:
             with precision:
-                return play(envs, self.decoder, self.prompts, temperature=temperature, greedy=greedy, seeds=seeds,
+                return play(envs, self.decoder, prompts, temperature=temperature, greedy=greedy, seeds=seeds,
                             bootstrap=not greedy, explore=0.0 if greedy else self.cfg.ppo.explore)
         finally:
             self.policy.train(was_training)
@@ -303,7 +319,9 @@ class PPOModule(L.LightningModule):
         self._eval_start = time.perf_counter()
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
-        self._eval_episodes[dataloader_idx] += self.play(batch)[0]
+        # the fixed training games (loader 1) are the current curriculum stage's
+        env = self.trainer.datamodule.train_env if dataloader_idx == 1 else None
+        self._eval_episodes[dataloader_idx] += self.play(batch, env=env)[0]
 
     def on_validation_epoch_end(self):
         # inside fit, validation follows the update of epoch k (iteration k + 1); a stand-alone
