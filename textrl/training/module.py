@@ -36,6 +36,7 @@ from textrl.games.env import open_game
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
 from textrl.policy.memory import make_optimizer
+from textrl.policy.checkpoint import check_frozen, frozen_fingerprint, frozen_names
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.reference import ReferencePolicy
@@ -61,10 +62,16 @@ def lr_factor(iteration: int, iterations: int, floor: float) -> float:
 
 
 class PPOModule(L.LightningModule):
-    def __init__(self, cfg: TrainConfig, policy: PolicyValueModel, tokenizer):
+    def __init__(self, cfg: TrainConfig, policy: PolicyValueModel, tokenizer, frozen_as_built: bool = True):
         super().__init__()
         self.automatic_optimization = False
-        self.strict_loading = not cfg.memory.lora  # LoRA checkpoints leave out the frozen base weights
+        # checkpoints hold what training changes: LoRA's adapters, or with model.trainable_layers the
+        # trainable blocks; the frozen weights come from the model config (checked by fingerprint)
+        # (``frozen_as_built=False``: model.init_from brought other frozen weights, which must be saved)
+        slim = cfg.model.trainable_layers is not None and not cfg.memory.lora and frozen_as_built
+        self.frozen_keys = {f"policy.{n}" for n in frozen_names(policy)} if slim else set()
+        self.frozen_fingerprint = frozen_fingerprint(policy) if slim else None
+        self.strict_loading = not (cfg.memory.lora or slim)
         self.cfg = cfg
         self.policy = policy
         self.tokenizer = tokenizer
@@ -353,6 +360,9 @@ class PPOModule(L.LightningModule):
         if self.cfg.memory.lora:  # adapters + value head only: the frozen base comes from the model config
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                         if "lora_" in k or k.startswith("policy.value_head.")}
+        elif self.frozen_keys:  # the trainable blocks, value head and buffers
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in self.frozen_keys}
+            checkpoint.setdefault("textrl", {})["frozen"] = {"fingerprint": self.frozen_fingerprint}
         checkpoint.setdefault("textrl", {}).update({
             "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
             "iterations_done": self.iterations_done,
@@ -360,6 +370,10 @@ class PPOModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint):
         self.iterations_done = checkpoint["textrl"]["iterations_done"]
+        if "frozen" in checkpoint["textrl"]:
+            check_frozen(checkpoint, self.frozen_fingerprint or "", f"ckpt_path={self.cfg.ckpt_path}")
+        elif self.frozen_keys and frozen_fingerprint(self.policy, checkpoint["state_dict"], "policy.") != self.frozen_fingerprint:
+            self.frozen_keys = set()  # a full checkpoint with other frozen weights (model.init_from): keep saving them
 
 
 def _accumulate(sums: dict[str, float], terms: PPOTerms) -> None:
