@@ -75,14 +75,14 @@ def summarize(episodes: list[Episode]) -> dict:
 
 
 def game_files(paths: list[str]) -> list[Path]:
-    """Game files named on the command line: files as given, directories searched for ``*.z8`` and
-    ``*.ulx`` (sorted). Every file is checked before any is played."""
+    """Game files named on the command line: files as given, directories searched for ``*.z8``,
+    ``*.ulx`` and ``*.twx`` (sorted). Every file is checked before any is played."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            inside = sorted(q for q in p.rglob("*") if q.suffix in {".z8", ".ulx"})
+            inside = sorted(q for q in p.rglob("*") if q.suffix in {".z8", ".ulx", ".twx"})
             if not inside:
-                raise ValueError(f"--games {p}: the directory holds no .z8 or .ulx game file")
+                raise ValueError(f"--games {p}: the directory holds no .z8, .ulx or .twx game file")
             found += inside
         else:
             found.append(p)
@@ -165,7 +165,7 @@ def generalization_table(summaries: list[dict]) -> str:
     lines = ["| policy (trained on) | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
     for policy, trained_on in policies:
         lines.append(f"| {policy} ({trained_on or '-'}) | " + " | ".join(cell.get((policy, e), "") for e in settings) + " |")
-    return "\n".join(lines) + "\n\nEach cell: greedy win rate / mean steps on held-out games.\n"
+    return "\n".join(lines) + "\n\nEach cell: win rate / mean steps on held-out games (a model plays greedily).\n"
 
 
 def main(argv: list[str] | None = None) -> int:

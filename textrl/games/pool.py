@@ -1,4 +1,5 @@
-"""Seeded TextWorld games, generated once in worker processes and cached on disk.
+"""Seeded games, generated once in worker processes and cached on disk: TextWorld's generator, its
+challenge families, and TextWorldExpress games (a small descriptor each, ``textrl.games.express``).
 
 Layout: ``<cache_dir>/games/<GameSpec.key>/<seed>/`` holds the compiled game (``game.z8`` plus its
 ``game.json``) and ``ok.json``, written last, with the SHA-256 of each file. A directory without a
@@ -187,9 +188,9 @@ def _generate(spec: GameSpec, seed: int, entry: Path, express_seed: int | None =
         if spec.game in EXPRESS:
             from textrl.games.express import write_descriptor
 
-            if express_seed is None:
-                raise ValueError(f"the {'train' if seed < EVAL_SEED_BASE else 'eval'} fold has no game left for seed {seed}")
             split = "train" if seed < EVAL_SEED_BASE else "eval"
+            if express_seed is None:
+                raise ValueError(f"TextWorldExpress's fold for textrl's {split} split has no game left for seed {seed}")
             write_descriptor(tmp / "game.twx", spec.game.removeprefix("twx-"), dict(spec.settings), split, express_seed)
         else:
             if spec.game == "textworld":
