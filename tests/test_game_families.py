@@ -12,14 +12,18 @@ from omegaconf import OmegaConf
 from textrl.cli.evaluate import main as eval_main
 from textrl.config import ConfigError, load_env_config
 from textrl.games.env import open_game
+from textrl.games.express import JAVA_MISSING, java_available
 from textrl.games.pool import GamePool, GameSpec
 from textrl.policy.checkpoint import checkpoint_config
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.rollout import play
 
 FAMILIES = ["tw_simple", "tw_coin", "tw_treasure", "tw_cooking"]
-EXPRESS = ["twx_cookingworld", "twx_coin", "twx_twc", "twx_mapreader", "twx_arithmetic", "twx_sorting",
-           "twx_simonsays", "twx_peckingorder"]
+# TextWorldExpress runs in Java: on a machine without it these tests say how to install it
+needs_java = pytest.mark.skipif(not java_available(), reason=JAVA_MISSING)
+EXPRESS = [pytest.param(g, marks=needs_java) for g in ("twx_cookingworld", "twx_coin", "twx_twc", "twx_mapreader",
+                                                         "twx_arithmetic", "twx_sorting", "twx_simonsays",
+                                                         "twx_peckingorder")]
 
 
 def games_of(option: str, split: str = "eval", n: int = 1, **changes):
@@ -154,6 +158,7 @@ def test_checkpoints_written_before_env_options_load_as_the_same_games():
     assert GameSpec.from_env(env).key == GameSpec.from_env(medium).key
 
 
+@needs_java
 def test_express_games_are_the_engine_folds_and_need_java(monkeypatch):
     from textrl.games.express import read_descriptor
 
