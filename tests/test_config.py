@@ -11,6 +11,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 import textrl.cli.train  # noqa: F401  (registers the schemas)
 from textrl.config import CONF_DIR, ConfigError, TrainConfig, to_train_config
+from textrl.games.express import java_available
 
 CUDA_ONLY = {"fp16", "lowmem", "qlora"}
 GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment", "curriculum"]
@@ -65,6 +66,10 @@ def test_every_option_of_every_group_composes(group):
             # On a CPU machine these must refuse at start, pointing at the CPU alternative.
             with pytest.raises(ConfigError, match="needs a CUDA GPU and none is available; on a CPU use memory="):
                 compose_train([f"{group}={option}"])
+            continue
+        if group == "env" and option.startswith("twx_") and not java_available():
+            with pytest.raises(ConfigError, match="no `java` is on the PATH. Install a Java runtime"):
+                compose_train([f"{group}={option}"])  # refused at start, with the command that installs it
             continue
         cfg = compose_train([f"{group}={option}"])
         if group == "env":
