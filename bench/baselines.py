@@ -20,12 +20,13 @@ from pathlib import Path
 
 from result import command, write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.cli.evaluate import evaluate
-from textrl.games.pool import DIFFICULTIES
+from textrl.config import env_options
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--difficulties", nargs="+", default=["easy", "medium", "hard"], choices=sorted(DIFFICULTIES))
+    ap.add_argument("--envs", "--difficulties", dest="envs", nargs="+", default=["easy", "medium", "hard"],
+                    choices=env_options())
     ap.add_argument("--policies", nargs="+", default=["random", "model:smollm2"],
                     help="random, model:<name> (untrained) or checkpoint:<path>")
     ap.add_argument("--games", type=int, default=64)
@@ -35,7 +36,7 @@ def main(argv=None):
 
     out = Path(args.out)
     results = json.loads(out.read_text())["results"] if out.is_file() else {}
-    for difficulty in args.difficulties:
+    for difficulty in args.envs:
         for policy in args.policies:
             start = time.perf_counter()
             summary, _ = evaluate(policy, difficulty, args.games)
@@ -44,7 +45,7 @@ def main(argv=None):
             summary["command"] = command(argv)
             results.setdefault(difficulty, {})[policy] = summary
             print(difficulty, policy, {k: summary[k] for k in ("win_rate", "steps", "return")}, flush=True)
-            cells = [(d, p) for d in DIFFICULTIES for p in sorted({p for r in results.values() for p in r})]
+            cells = [(d, p) for d in results for p in sorted({p for r in results.values() for p in r})]
             write_result(args.out, {
                 "games": args.games, "results": results,
                 "missing": [f"{d} {p}" for d, p in cells if p not in results.get(d, {})],

@@ -16,9 +16,9 @@ import platform
 import torch
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
-from textrl.config import load_model_config
+from textrl.config import env_options, load_env_config, load_model_config
 from textrl.games.env import TextGame
-from textrl.games.pool import DIFFICULTIES, GamePool
+from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, Cursor, check_temperature, choose
 from textrl.policy.model import PolicyValueModel, build_policy
@@ -61,7 +61,7 @@ class NaiveDecoder:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--difficulty", default="easy", choices=sorted(DIFFICULTIES))
+    ap.add_argument("--env", "--difficulty", dest="env", default="easy", choices=env_options())
     ap.add_argument("--envs", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1, help="rollouts per decoder (each: every env plays one episode)")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -70,17 +70,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    difficulty = DIFFICULTIES[args.difficulty]
+    env = load_env_config(args.env)
     policy, tokenizer = build_policy(load_model_config(args.model))
     policy.eval()
     prompts = PromptBuilder(tokenizer, max_prompt_tokens=2048)
-    games = GamePool(difficulty).games("eval", args.envs)
+    games = GamePool(GameSpec.from_env(env)).games("eval", args.envs)
     results = {}
     for name, decoder in [("cached", ConstrainedDecoder(policy, tokenizer.pad_token_id)),
                           ("naive", NaiveDecoder(policy, tokenizer.pad_token_id))]:
         seconds = decisions = turns = 0
         for k in range(args.rounds):
-            envs = [TextGame(g, difficulty.max_steps) for g in games]
+            envs = [TextGame(g, env.max_steps) for g in games]
             _, stats = play(envs, decoder, prompts, temperature=args.temperature,
                             seeds=episode_seeds(args.seed, k, games))
             seconds += stats.seconds
@@ -94,7 +94,7 @@ def main(argv=None):
         "speedup_vs_naive": results["cached"]["decisions_per_s"] / results["naive"]["decisions_per_s"],
         "model": args.model,
         "envs": args.envs,
-        "difficulty": args.difficulty,
+        "difficulty": args.env,
         "rounds": args.rounds,
         "temperature": args.temperature,
         "detail": results,

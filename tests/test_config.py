@@ -11,9 +11,10 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 import textrl.cli.train  # noqa: F401  (registers the schemas)
 from textrl.config import CONF_DIR, ConfigError, TrainConfig, to_train_config
+from textrl.games.express import java_available
 
 CUDA_ONLY = {"fp16", "lowmem", "qlora"}
-GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment"]
+GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment", "curriculum"]
 
 
 def compose_train(overrides=()):
@@ -29,7 +30,7 @@ def options(group):
 def test_defaults_are_easy_smollm2_csv():
     cfg = compose_train()
     assert isinstance(cfg, TrainConfig)
-    assert (cfg.env.difficulty, cfg.model.name, cfg.logger.name, cfg.memory.name) == ("easy", "smollm2", "csv", "auto")
+    assert (cfg.env.name, cfg.model.name, cfg.logger.name, cfg.memory.name) == ("easy", "smollm2", "csv", "auto")
 
 
 def test_the_dataclass_defaults_are_the_defaults_of_train_py():
@@ -66,9 +67,13 @@ def test_every_option_of_every_group_composes(group):
             with pytest.raises(ConfigError, match="needs a CUDA GPU and none is available; on a CPU use memory="):
                 compose_train([f"{group}={option}"])
             continue
+        if group == "env" and option.startswith("twx_") and not java_available():
+            with pytest.raises(ConfigError, match="no `java` is on the PATH. Install a Java runtime"):
+                compose_train([f"{group}={option}"])  # refused at start, with the command that installs it
+            continue
         cfg = compose_train([f"{group}={option}"])
         if group == "env":
-            assert cfg.env.difficulty == option
+            assert cfg.env.name == option
         if group in {"model", "logger", "memory"}:
             assert getattr(cfg, group).name == option
 
@@ -76,7 +81,9 @@ def test_every_option_of_every_group_composes(group):
 @pytest.mark.parametrize("override, message", [
     ("ppo.lr_lm=-0.001", "ppo.lr_lm=-0.001 is not allowed: a number > 0"),
     ("env.num_envs=0", "env.num_envs=0 is not allowed: an integer >= 1"),
-    ("env.difficulty=impossible", "env.difficulty='impossible' is not allowed: one of ['easy', 'hard', 'medium']"),
+    ("env.game=impossible", "env.game='impossible' is not allowed: one of ['textworld', 'tw-simple'"),
+    ("env.rooms=0", "env.rooms=0 is not allowed: an integer >= 1 with env.game=textworld"),
+    ("env.max_steps=0", "env.max_steps=0 is not allowed: an integer >= 1"),
     ("ppo.gamma=1.5", "ppo.gamma=1.5 is not allowed: a number in (0, 1]"),
     ("ppo.temperature_min=2.0", "ppo.temperature_min=2.0 is not allowed"),
 ])

@@ -1,12 +1,13 @@
 import pytest
 
 from textrl.games.env import GameFileError, InvalidCommandError, TextGame
-from textrl.games.pool import DIFFICULTIES, GamePool
+from textrl.config import load_env_config
+from textrl.games.pool import GamePool
 
 
 @pytest.mark.parametrize("difficulty", ["easy", "medium"])
 def test_walkthrough_wins_with_expected_rewards(difficulty):
-    spec = DIFFICULTIES[difficulty]
+    spec = load_env_config(difficulty)
     for path in GamePool(difficulty).games("eval", 3):
         env = TextGame(path, spec.max_steps, step_penalty=0.1, win_bonus=1.0)
         obs = env.reset()

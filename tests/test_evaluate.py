@@ -42,7 +42,7 @@ def check_agreement(out):
 def test_random_policy(tmp_path, capsys):
     assert main(["--random", "--games", "6", "--batch", "4", "--out", str(tmp_path)]) == 0
     result = check_agreement(tmp_path)
-    assert result["policy"] == "random" and result["difficulty"] == "easy" and not result["greedy"]
+    assert result["policy"] == "random" and result["env"] == "easy" and not result["greedy"]
     assert all(g["steps"] <= 8 for g in result["per_game"])  # easy step limit
     assert "win_rate:" in capsys.readouterr().out
     # the same seed plays the same games the same way

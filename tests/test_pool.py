@@ -2,7 +2,8 @@ import logging
 
 import pytest
 
-from textrl.games.pool import DIFFICULTIES, EVAL_SEED_BASE, GamePool, is_valid_entry, seed_for
+from textrl.config import load_env_config
+from textrl.games.pool import EVAL_SEED_BASE, GamePool, GameSpec, is_valid_entry, seed_for
 
 
 def test_cache_hit_does_not_regenerate(tmp_path):
@@ -42,7 +43,7 @@ def test_failing_seed_is_skipped_with_a_warning_naming_it(tmp_path, caplog):
         games = pool.collect(iter([7, bad, 8, 9]), 3)
     assert [p.parent.name for p in games] == ["7", "8", "9"]  # still reaches the requested size
     assert str(bad) in caplog.text
-    assert (tmp_path / "games" / DIFFICULTIES["easy"].key / str(bad) / "failed.txt").is_file()
+    assert (tmp_path / "games" / pool.spec.key / str(bad) / "failed.txt").is_file()
     # remembered: the next pool skips it without trying again
     again = GamePool("easy", cache_dir=tmp_path)
     assert again.collect(iter([bad, 7]), 1) == games[:1] and again.generated == 0
@@ -64,16 +65,16 @@ def test_train_and_eval_seeds_never_overlap(easy_pool):
 def test_generated_games_match_the_difficulty(easy_games):
     import textworld
 
-    easy = DIFFICULTIES["easy"]
+    easy = load_env_config("easy")
     for path in easy_games[:4]:
         game = textworld.Game.load(str(path.with_suffix(".json")))
-        assert len(game.world.rooms) == easy.nb_rooms
+        assert len(game.world.rooms) == easy.rooms
         assert len(game.walkthrough) == easy.quest_length
     assert len(set(easy_games)) == 24
 
 
 def test_bad_arguments_fail_clearly(tmp_path):
-    with pytest.raises(ValueError, match="unknown difficulty 'impossible'"):
+    with pytest.raises(ValueError, match="unknown env 'impossible'"):
         GamePool("impossible", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="workers"):
         GamePool("easy", cache_dir=tmp_path, workers=0)

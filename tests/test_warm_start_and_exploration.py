@@ -72,13 +72,14 @@ def test_walkthroughs_replay_as_the_turns_a_rollout_records(tiny):
 
 def test_warm_start_raises_the_walkthrough_commands_probability_and_reads_only_training_games(tmp_path, monkeypatch):
     opened = []
-    real = ws.TextGame
 
-    def recording(game, *args, **kwargs):
+    real_open = ws.open_game
+
+    def recording(game, env):  # a spy: the real games are still played
         opened.append(str(game))
-        return real(game, *args, **kwargs)
+        return real_open(game, env)
 
-    monkeypatch.setattr(ws, "TextGame", recording)  # a spy: the real games are still played
+    monkeypatch.setattr(ws, "open_game", recording)
     cfg = config(tmp_path, "warm_start.steps=12", "warm_start.games=8", "warm_start.batch=4", "warm_start.lr=3e-3")
     torch.manual_seed(0)
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
@@ -121,17 +122,17 @@ def test_no_evaluation_game_is_played_in_warm_start_or_training(tmp_path, monkey
     from textrl.training.module import PPOModule
 
     opened, sampled, greedy = [], [], []
-    real_game, real_play = ws.TextGame, PPOModule.play
+    real_open, real_play = ws.open_game, PPOModule.play
 
-    def open_game(game, *args, **kwargs):
+    def open_game(game, env):  # the warm start's games
         opened.append(str(game))
-        return real_game(game, *args, **kwargs)
+        return real_open(game, env)
 
     def play(self, games, temperature=1.0, seeds=None):
         (greedy if seeds is None else sampled).extend(str(g) for g in games)
         return real_play(self, games, temperature, seeds)
 
-    monkeypatch.setattr(ws, "TextGame", open_game)
+    monkeypatch.setattr(ws, "open_game", open_game)
     monkeypatch.setattr(PPOModule, "play", play)
     result = cli.train(config(tmp_path, "iterations=2", "eval.every=1", "warm_start.steps=2", "warm_start.games=4"))
     eval_games = {str(g) for g in result["trainer"].datamodule.eval_games}

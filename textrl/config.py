@@ -9,9 +9,9 @@ allowed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -55,16 +55,28 @@ class ModelConfig:
 
 @dataclass
 class EnvConfig:
-    difficulty: str = "easy"  # easy | medium | hard
+    name: str = "easy"  # names the setting in logs, evaluation folders and the generalization table
+    # which games: ``textworld`` generates them from rooms/objects/quest_length/theme (the presets
+    # easy|medium|hard and env=custom); ``tw-simple``, ``tw-coin_collector``, ``tw-treasure_hunter``,
+    # ``tw-cooking`` are TextWorld's challenge families, configured by ``settings``
+    game: str = "textworld"
+    rooms: Optional[int] = 2  # game=textworld only (null for the challenge families)
+    objects: Optional[int] = 4
+    quest_length: Optional[int] = 1
+    theme: Optional[str] = "house"
+    # a challenge family's own options, named as in ``tw-make <family> --help`` (level, recipe, take,
+    # go, open, cook, cut, drop, rewards, goal, ...); what is left out takes the family's default
+    settings: Dict[str, Any] = field(default_factory=dict)
     num_envs: int = 16  # parallel training environments (one episode each per iteration)
     # each training game is played this many times per iteration (num_envs / group_size games, each
     # sampled group_size times): the groups that ppo.advantage=grpo|rloo compare episodes within
     group_size: int = 1
     repeatable: bool = False  # True: the same training games every iteration
     pool_size: int = 256  # fresh mode: training games each iteration's games are drawn from
-    max_steps: Optional[int] = None  # None: the difficulty's step limit (8 / 32 / 32)
+    max_steps: int = 8  # the episode's step limit
     step_penalty: float = 0.1
     win_bonus: float = 1.0
+    loss_penalty: float = 1.0  # subtracted on the step that loses the game (games that can be lost: tw-cooking)
     history_len: int = 8  # past turns kept by the environment
     # oldest turns are dropped beyond this; 8 turns of long easy room descriptions reach ~1050 tokens,
     # and an over-budget prompt is re-encoded, so leave headroom
@@ -72,6 +84,12 @@ class EnvConfig:
     list_commands: bool = False  # show admissible commands in the prompt (the seed does not)
     goal_last: bool = False  # repeat the objective at the end of every observation (the seed: system message only)
     workers: int = 2  # game-generation processes
+
+    def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
+        """These games, shown the way a policy trained on ``policy_env`` saw its own: its prompt
+        settings, this setting's games, step limit, rewards and prompt budget."""
+        return replace(self, list_commands=policy_env.list_commands, goal_last=policy_env.goal_last,
+                       history_len=policy_env.history_len)
 
 
 @dataclass
@@ -177,6 +195,18 @@ class WarmStartConfig:
 
 
 @dataclass
+class CurriculumConfig:
+    """Training games that move through env options as the policy masters each (``curriculum=...``):
+    evaluation stays on ``env``, whose prompt settings every stage uses."""
+
+    stages: list[str] = field(default_factory=list)  # env options in order; empty: no curriculum
+    threshold: float = 0.8  # the rolling training win rate that moves on to the next stage
+    window: int = 3  # iterations the rolling win rate is taken over (all of them at the current stage)
+    replay: float = 0.25  # share of each iteration's training games drawn from recently lost ones
+    replay_size: int = 64  # how many recently lost games of the current stage are remembered
+
+
+@dataclass
 class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -186,6 +216,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     experiment: Optional[str] = None  # name of the experiment (set by conf/experiment/*), groups sweeps
     seed: int = 0
     iterations: int = 24  # about 16 minutes on 2 CPU cores with native bf16 (bench/results/learn_cpu.json)
@@ -207,13 +238,12 @@ def _check(key: str, value, ok: bool, allowed: str) -> None:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Range and choice checks that types alone cannot express."""
-    from textrl.games.pool import DIFFICULTIES
+    from textrl.games.pool import GameSpec
 
     e, p = cfg.env, cfg.ppo
-    _check("env.difficulty", e.difficulty, e.difficulty in DIFFICULTIES, f"one of {sorted(DIFFICULTIES)}")
-    for key in ["num_envs", "group_size", "pool_size", "history_len", "workers"]:
+    GameSpec.from_env(e)  # the game family and its settings (raises ConfigError naming the key)
+    for key in ["num_envs", "group_size", "pool_size", "history_len", "workers", "max_steps"]:
         _check(f"env.{key}", getattr(e, key), getattr(e, key) >= 1, "an integer >= 1")
-    _check("env.max_steps", e.max_steps, e.max_steps is None or e.max_steps >= 1, "null or an integer >= 1")
     _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= 128, "an integer >= 128")
     _check("env.group_size", e.group_size, e.num_envs % e.group_size == 0,
            f"a divisor of env.num_envs ({e.num_envs}): each game is played group_size times")
@@ -251,6 +281,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ["every", "games", "batch"]:
         _check(f"eval.{key}", getattr(cfg.eval, key), getattr(cfg.eval, key) >= 1, "an integer >= 1")
     _check("eval.transcripts", cfg.eval.transcripts, cfg.eval.transcripts >= 0, "an integer >= 0")
+    c = cfg.curriculum
+    for stage in c.stages:
+        _check("curriculum.stages", list(c.stages), stage in env_options(), f"env options, each one of {env_options()}")
+        GameSpec.from_env(load_env_config(stage))  # its games can be made (Java for twx_*, ...)
+    _check("curriculum.threshold", c.threshold, 0 <= c.threshold <= 1, "a win rate in [0, 1]")
+    _check("curriculum.window", c.window, c.window >= 1, "an integer >= 1")
+    _check("curriculum.replay", c.replay, 0 <= c.replay < 1, "a share in [0, 1)")
+    _check("curriculum.replay_size", c.replay_size, c.replay_size >= 1, "an integer >= 1")
     n_train = e.num_envs // e.group_size if e.repeatable else e.pool_size
     _check("eval.train_games", cfg.eval.train_games, 0 <= cfg.eval.train_games <= n_train,
            f"between 0 and the training games available ({n_train})")
@@ -325,9 +363,15 @@ def load_model_config(name: str, **overrides) -> ModelConfig:
     return OmegaConf.to_object(merged)
 
 
-def load_env_config(difficulty: str) -> EnvConfig:
-    """An ``env`` group option (a difficulty) as an EnvConfig: its prompt budget and step limit."""
-    data = OmegaConf.load(_group_file("env", difficulty))
+def env_options() -> list[str]:
+    """The ``env`` group's options (conf/env/*.yaml)."""
+    return sorted(p.stem for p in (CONF_DIR / "env").glob("*.yaml"))
+
+
+def load_env_config(name: str) -> EnvConfig:
+    """An ``env`` group option (``easy``, ``tw_cooking``, ...) as an EnvConfig: its games, step limit
+    and prompt budget."""
+    data = OmegaConf.load(_group_file("env", name))
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EnvConfig), data))
 
 

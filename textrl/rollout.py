@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from textrl.games.env import Observation, TextGame
+from textrl.games.env import Game, Observation
+from textrl.games.pool import game_name
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import Action, Decision
 from textrl.policy.trie import CommandTrie
@@ -73,14 +74,14 @@ def episode_seeds(seed: int, iteration: int, games: list) -> list[int]:
     seen: dict[str, int] = {}
     seeds = []
     for game in games:
-        name = Path(game).parent.name or str(game)
+        name = game_name(game)
         k = seen[name] = seen.get(name, -1) + 1
         digest = hashlib.sha256(f"{seed}/{iteration}/{name}/{k}".encode()).digest()
         seeds.append(int.from_bytes(digest[:8], "little") >> 1)
     return seeds
 
 
-def play(envs: list[TextGame], decoder, prompts: PromptBuilder, temperature: float = 1.0, greedy: bool = False,
+def play(envs: list[Game], decoder, prompts: PromptBuilder, temperature: float = 1.0, greedy: bool = False,
          seeds: list[int] | None = None, bootstrap: bool = False, explore: float = 0.0) -> tuple[list[Episode], RolloutStats]:
     """Every environment plays one episode with the model behind ``decoder``.
 
@@ -111,14 +112,14 @@ def play(envs: list[TextGame], decoder, prompts: PromptBuilder, temperature: flo
     return run_episodes(envs, act, value if bootstrap else None)
 
 
-def play_uniform(envs: list[TextGame], seed: int = 0) -> tuple[list[Episode], RolloutStats]:
+def play_uniform(envs: list[Game], seed: int = 0) -> tuple[list[Episode], RolloutStats]:
     """The random-policy baseline: a uniformly random admissible command every turn.
 
     Each game draws from its own generator, seeded by ``seed`` and the game's seed, so a game is
     played the same way whatever batch it is in. The action is one decision over the commands (not
     tokens), with log-prob -log(number of commands), so transcripts and metrics treat it like a model's.
     """
-    rngs = [random.Random(f"{seed}/{Path(env.game_file).parent.name}") for env in envs]
+    rngs = [random.Random(f"{seed}/{game_name(env.game_file)}") for env in envs]
 
     def act(live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
         chosen = []
@@ -132,7 +133,7 @@ def play_uniform(envs: list[TextGame], seed: int = 0) -> tuple[list[Episode], Ro
     return run_episodes(envs, act)
 
 
-def run_episodes(envs: list[TextGame], act, value=None) -> tuple[list[Episode], RolloutStats]:
+def run_episodes(envs: list[Game], act, value=None) -> tuple[list[Episode], RolloutStats]:
     """The loop itself: reset all, then each turn ``act(live, observations)`` gives (prompt ids,
     action) for the environments still playing; they step, and finished ones leave the batch.
     At the end ``value(rows, observations)``, if given, values the states truncated episodes stop in."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from textrl.games.pool import game_name
 from textrl.games.prompt import observation_text
 from textrl.rollout import Episode
 
@@ -14,7 +15,7 @@ def write_transcripts(episodes: list[Episode], path: Path, title: str) -> None:
     lines = [f"# {title}\n"]
     for e in episodes:
         outcome = "won" if e.won else "lost"
-        lines.append(f"## {Path(e.game).parent.name}: {outcome} in {e.length} steps, return {e.total_return:+.2f}\n")
+        lines.append(f"## {game_name(e.game)}: {outcome} in {e.length} steps, return {e.total_return:+.2f}\n")
         lines.append(f"**Goal:** {e.steps[0].observation.objective}\n" if e.steps else "")
         for i, s in enumerate(e.steps, 1):
             quoted = "\n".join("> " + line for line in observation_text(s.observation).splitlines())

@@ -1,12 +1,17 @@
 """textrl-eval: greedy play on held-out games, with 95% confidence intervals and transcripts.
 
     textrl-eval --checkpoint outputs/<run>/checkpoints/best-10.ckpt        # a trained policy
-    textrl-eval --model smollm2 --difficulty medium --games 64             # an untrained model
-    textrl-eval --random --difficulty hard                                 # uniformly random commands
+    textrl-eval --model smollm2 --env medium --games 64                    # an untrained model
+    textrl-eval --random --env hard                                        # uniformly random commands
+    textrl-eval --checkpoint CKPT --env easy medium hard tw_cooking        # a generalization table
+    textrl-eval --checkpoint CKPT --games my_games/ --max-steps 50         # any game files
 
-The games are the first N evaluation games of the difficulty (the same held-out set training
-evaluates on; never a training game). Writes ``<out>/results.json`` (win rate, steps, return: mean
-and 95% interval, plus every game) and ``<out>/transcripts.md``.
+The games are the first N evaluation games of an env option (the same held-out set training
+evaluates on; never a training game), or the given game files (``.z8``/``.ulx`` with TextWorld's
+``.json`` beside them). A checkpoint plays other settings with the prompt it was trained with.
+Writes ``<out>/results.json`` (win rate, steps, return: mean and 95% interval, plus every game) and
+``<out>/transcripts.md``; several env options or checkpoints write one folder each under ``<out>``
+(default ``eval/generalization``) and ``generalization.md`` / ``.json`` (policy x setting).
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import logging
 import math
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from textrl.config import load_env_config, load_model_config, native_bf16
-from textrl.games.env import TextGame
-from textrl.games.pool import DIFFICULTIES, GamePool
+from textrl.games.env import check_game_file, open_game
+from textrl.games.pool import GamePool, GameSpec, game_name
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
 from textrl.policy.decoding import ConstrainedDecoder
@@ -63,38 +69,64 @@ def summarize(episodes: list[Episode]) -> dict:
         "win_rate": {"mean": wins / len(episodes), "ci95": wilson_interval(wins, len(episodes))},
         "steps": {"mean": statistics.fmean(steps), "ci95": mean_interval(steps)},
         "return": {"mean": statistics.fmean(returns), "ci95": mean_interval(returns)},
-        "per_game": [{"game": Path(e.game).parent.name, "won": e.won, "steps": e.length,
+        "per_game": [{"game": game_name(e.game), "won": e.won, "steps": e.length,
                       "return": round(e.total_return, 6)} for e in episodes],
     }
 
 
-def evaluate(policy_source: str, difficulty: str | None = None, games: int = 64, batch: int = 32, seed: int = 0,
-             cache_dir: str | None = None, device: str | None = None) -> tuple[dict, list[Episode]]:
-    """Play ``games`` held-out games. ``policy_source``: ``random``, ``model:<name>`` (untrained) or
-    ``checkpoint:<path>``. Returns the summary and the episodes."""
-    env = None
-    precision = "auto"  # an untrained model: bf16 where the device has it natively, as training
+def game_files(paths: list[str]) -> list[Path]:
+    """Game files named on the command line: files as given, directories searched for ``*.z8``,
+    ``*.ulx`` and ``*.twx`` (sorted). Every file is checked before any is played."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            inside = sorted(q for q in p.rglob("*") if q.suffix in {".z8", ".ulx", ".twx"})
+            if not inside:
+                raise ValueError(f"--games {p}: the directory holds no .z8, .ulx or .twx game file")
+            found += inside
+        else:
+            found.append(p)
+    for path in found:
+        check_game_file(path)
+    return found
+
+
+def load_policy(policy_source: str, cache_dir: str | None = None):
+    """(policy, tokenizer, the env it was trained on or None, precision) of ``random``,
+    ``model:<name>`` (untrained) or ``checkpoint:<path>``."""
     if policy_source == "random":
-        policy = tokenizer = None
-    elif policy_source.startswith("model:"):
+        return None, None, None, None
+    if policy_source.startswith("model:"):
         policy, tokenizer = build_policy(load_model_config(policy_source.removeprefix("model:")), cache_dir=cache_dir)
-    elif policy_source.startswith("checkpoint:"):
+        return policy, tokenizer, None, "auto"  # bf16 where the device has it natively, as training
+    if policy_source.startswith("checkpoint:"):
         policy, tokenizer, cfg = load_checkpoint_policy(policy_source.removeprefix("checkpoint:"))
-        env, cache_dir = cfg.env, cache_dir or cfg.cache_dir
-        difficulty = difficulty or env.difficulty
-        precision = cfg.memory.precision  # play under the autocast it was trained (and evaluated) with
+        return policy, tokenizer, cfg, cfg.memory.precision  # the autocast it was trained (and evaluated) with
+    raise ValueError(f"policy must be 'random', 'model:<name>' or 'checkpoint:<path>', got {policy_source!r}")
+
+
+def evaluate(policy_source: str, env_name: str | None = None, games: int = 64, batch: int = 32, seed: int = 0,
+             cache_dir: str | None = None, device: str | None = None, files: list[Path] | None = None,
+             max_steps: int | None = None, loaded=None) -> tuple[dict, list[Episode]]:
+    """Play ``games`` held-out games of the env option ``env_name`` (default: the checkpoint's own
+    setting, else easy), or the game ``files``. ``policy_source``: ``random``, ``model:<name>``
+    (untrained) or ``checkpoint:<path>``; ``loaded``: its ``load_policy`` result, to play several
+    settings with one load. Returns the summary and the episodes."""
+    policy, tokenizer, cfg, precision = loaded or load_policy(policy_source, cache_dir)
+    if cfg is not None:
+        cache_dir = cache_dir or cfg.cache_dir
+        # another setting's games, shown with the prompt the policy was trained with
+        env = load_env_config(env_name).with_prompt_of(cfg.env) if env_name else cfg.env
     else:
-        raise ValueError(f"policy must be 'random', 'model:<name>' or 'checkpoint:<path>', got {policy_source!r}")
-    difficulty = difficulty or "easy"
-    if difficulty not in DIFFICULTIES:
-        raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {sorted(DIFFICULTIES)}")
-    env = env or load_env_config(difficulty)  # the prompt budget training uses on this difficulty
-    paths = GamePool(difficulty, cache_dir=cache_dir, workers=env.workers).games("eval", games)
-    max_steps = env.max_steps or DIFFICULTIES[difficulty].max_steps
+        env = load_env_config(env_name or "easy")
+    if max_steps is not None:
+        env = replace(env, max_steps=max_steps)
+    if files is not None:
+        paths, setting = files, "files"
+    else:
+        paths, setting = GamePool(GameSpec.from_env(env), cache_dir=cache_dir, workers=env.workers).games("eval", games), env.name
     autocast = contextlib.nullcontext()
-    if policy is None:
-        precision = None
-    else:
+    if policy is not None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if precision == "auto":
             precision = "bf16-mixed" if native_bf16(device == "cuda") else "32-true"
@@ -106,8 +138,7 @@ def evaluate(policy_source: str, difficulty: str | None = None, games: int = 64,
         decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
     episodes: list[Episode] = []
     for start in range(0, len(paths), batch):
-        envs = [TextGame(p, max_steps, env.step_penalty, env.win_bonus, env.history_len)
-                for p in paths[start:start + batch]]
+        envs = [open_game(p, env) for p in paths[start:start + batch]]
         try:
             if policy is None:
                 episodes += play_uniform(envs, seed)[0]
@@ -118,47 +149,93 @@ def evaluate(policy_source: str, difficulty: str | None = None, games: int = 64,
             for e in envs:
                 e.close()
         # An untrained model on medium/hard plays every game to the step limit: minutes per batch.
-        log.info("played %d/%d %s games, %d won", len(episodes), len(paths), difficulty, sum(e.won for e in episodes))
-    summary = {"policy": policy_source, "difficulty": difficulty, "max_steps": max_steps,
-               "greedy": policy is not None, "precision": precision, **summarize(episodes)}
+        log.info("played %d/%d %s games, %d won", len(episodes), len(paths), setting, sum(e.won for e in episodes))
+    summary = {"policy": policy_source, "env": setting, "trained_on": cfg.env.name if cfg is not None else None,
+               "max_steps": env.max_steps, "greedy": policy is not None, "precision": precision,
+               **summarize(episodes)}
     return summary, episodes
+
+
+def generalization_table(summaries: list[dict]) -> str:
+    """Markdown: one row per policy (with the setting it was trained on), one column per setting
+    played; each cell the win rate and mean steps."""
+    settings = list(dict.fromkeys(s["env"] for s in summaries))
+    policies = list(dict.fromkeys((s["policy"], s["trained_on"]) for s in summaries))
+    cell = {(s["policy"], s["env"]): f"{s['win_rate']['mean']:.2f} / {s['steps']['mean']:.1f}" for s in summaries}
+    lines = ["| policy (trained on) | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
+    for policy, trained_on in policies:
+        lines.append(f"| {policy} ({trained_on or '-'}) | " + " | ".join(cell.get((policy, e), "") for e in settings) + " |")
+    return "\n".join(lines) + "\n\nEach cell: win rate / mean steps on held-out games (a model plays greedily).\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="textrl-eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     which = ap.add_mutually_exclusive_group(required=True)
-    which.add_argument("--checkpoint", help="a training checkpoint (.ckpt)")
+    which.add_argument("--checkpoint", nargs="+", help="training checkpoints (.ckpt); several make table rows")
     which.add_argument("--model", help="an untrained model config: gpt2, qwen, smollm2, tiny")
     which.add_argument("--random", action="store_true", help="the uniformly random admissible-command baseline")
-    ap.add_argument("--difficulty", choices=sorted(DIFFICULTIES), help="default: the checkpoint's, else easy")
-    ap.add_argument("--games", type=int, default=64, help="held-out games to play (default 64)")
+    ap.add_argument("--env", "--difficulty", nargs="+", dest="env",
+                    help="env options to play (conf/env: easy, medium, hard, tw_cooking, ...); several give a "
+                         "generalization table. Default: the checkpoint's own setting, else easy")
+    ap.add_argument("--games", nargs="+", default=["64"],
+                    help="how many held-out games to play (default 64), or game files / directories to play instead")
+    ap.add_argument("--max-steps", type=int, help="step limit (default: the env option's)")
     ap.add_argument("--batch", type=int, default=32, help="games decoded together")
     ap.add_argument("--seed", type=int, default=0, help="random policy only")
     ap.add_argument("--transcripts", type=int, default=None, help="games to transcribe (default: all)")
-    ap.add_argument("--out", help="output directory (default eval/<policy>-<difficulty>)")
+    ap.add_argument("--out", help="output directory (default eval/<policy>-<env>)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.games < 1 or args.batch < 1:
-        ap.error("--games and --batch must be >= 1")
-    source = ("random" if args.random else f"model:{args.model}" if args.model else f"checkpoint:{args.checkpoint}")
+    count = args.games[0] if len(args.games) == 1 and args.games[0].isdigit() else None
+    if args.batch < 1 or (count is not None and int(count) < 1) or (args.max_steps is not None and args.max_steps < 1):
+        ap.error("--games (a count), --batch and --max-steps must be >= 1")
+    if count is None and args.env and len(args.env) > 1:
+        ap.error("--games with game files plays those files: give at most one --env (its prompt and step limit)")
+    sources = (["random"] if args.random else [f"model:{args.model}"] if args.model
+               else [f"checkpoint:{c}" for c in args.checkpoint])
+    settings = args.env or [None]
+    results: list[tuple[dict, list[Episode]]] = []
     try:
-        summary, episodes = evaluate(source, args.difficulty, args.games, args.batch, args.seed)
-    except (CheckpointError, ModelNotFoundError, ValueError) as exc:
+        files = game_files(args.games) if count is None else None
+        for source in sources:
+            loaded = load_policy(source)
+            for setting in settings:
+                results.append(evaluate(source, setting, int(count or 0), args.batch, args.seed, files=files,
+                                        max_steps=args.max_steps, loaded=loaded))
+    except (CheckpointError, ModelNotFoundError, ValueError) as exc:  # ConfigError and GameFileError too
         raise SystemExit(f"error: {exc}") from None
-    name = "random" if args.random else args.model or Path(args.checkpoint).stem
-    out = Path(args.out or f"eval/{name}-{summary['difficulty']}")
-    out.mkdir(parents=True, exist_ok=True)
-    summary["command"] = " ".join(["textrl-eval", *(argv if argv is not None else sys.argv[1:])])
-    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
-    shown = episodes if args.transcripts is None else episodes[: args.transcripts]
-    write_transcripts(shown, out / "transcripts.md",
-                      f"{source} on {len(episodes)} held-out {summary['difficulty']} games: win rate "
-                      f"{summary['win_rate']['mean']:.2f}")
-    for key in ("win_rate", "steps", "return"):
-        lo, hi = summary[key]["ci95"]
-        print(f"{key:>9}: {summary[key]['mean']:.3f}  (95% CI {lo:.3f} .. {hi:.3f})")
-    print(f"wrote {out / 'results.json'} and {out / 'transcripts.md'}")
+    command = " ".join(["textrl-eval", *(argv if argv is not None else sys.argv[1:])])
+    single = len(results) == 1
+    root = Path(args.out or "eval/generalization")  # several results: one folder each under it
+    names = ["random" if s == "random" else Path(s.split(":", 1)[1]).stem for s in sources]
+    if len(set(names)) < len(names):  # e.g. two runs' last.ckpt
+        names = [f"{k}-{n}" for k, n in enumerate(names)]
+    for summary, episodes in results:
+        source = summary["policy"]
+        name = names[sources.index(source)]
+        if single:
+            out = Path(args.out or f"eval/{name}-{summary['env']}")
+        else:
+            out = root / f"{name}-{summary['env']}"
+        out.mkdir(parents=True, exist_ok=True)
+        summary["command"] = command
+        (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+        shown = episodes if args.transcripts is None else episodes[: args.transcripts]
+        write_transcripts(shown, out / "transcripts.md",
+                          f"{source} on {len(episodes)} {summary['env']} games: win rate {summary['win_rate']['mean']:.2f}")
+        print(f"{source} on {summary['env']}:")
+        for key in ("win_rate", "steps", "return"):
+            lo, hi = summary[key]["ci95"]
+            print(f"{key:>9}: {summary[key]['mean']:.3f}  (95% CI {lo:.3f} .. {hi:.3f})")
+        print(f"wrote {out / 'results.json'} and {out / 'transcripts.md'}")
+    if not single:
+        table = generalization_table([s for s, _ in results])
+        (root / "generalization.md").write_text(table)
+        (root / "generalization.json").write_text(json.dumps(
+            {"command": command, "results": [{k: v for k, v in s.items() if k != "per_game"} for s, _ in results]},
+            indent=2) + "\n")
+        print(table + f"wrote {root / 'generalization.md'} and {root / 'generalization.json'}")
     return 0
 
 

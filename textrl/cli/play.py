@@ -1,7 +1,7 @@
 """textrl-play: play a TextWorld game by hand, or watch a model play it greedily.
 
     textrl-play                              # you type the commands (easy, held-out game 0)
-    textrl-play --difficulty medium --game 3
+    textrl-play --env medium --game 3        # any env option: tw_cooking, tw_coin, custom, ...
     textrl-play --model smollm2 --top 5      # the model plays; shows its 5 most likely commands
     textrl-play --checkpoint outputs/<run>/checkpoints/best-10.ckpt   # a trained policy plays
 """
@@ -12,8 +12,8 @@ import argparse
 import sys
 
 from textrl.config import EnvConfig, load_env_config, load_model_config
-from textrl.games.env import InvalidCommandError, TextGame
-from textrl.games.pool import DIFFICULTIES, GamePool
+from textrl.games.env import InvalidCommandError, open_game
+from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder, observation_text
 from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
 from textrl.policy.decoding import ConstrainedDecoder, score_commands
@@ -47,10 +47,10 @@ def _load_player(args) -> tuple[PolicyValueModel, PromptBuilder, EnvConfig]:
     environment settings (a checkpoint's own, so the policy sees what it was trained on)."""
     if args.checkpoint:
         policy, tokenizer, cfg = load_checkpoint_policy(args.checkpoint, "--checkpoint")
-        env = cfg.env
+        env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
     else:
         policy, tokenizer = build_policy(load_model_config(args.model))
-        env = load_env_config(args.difficulty or "easy")
+        env = load_env_config(args.env or "easy")
     policy.eval()
     return policy, PromptBuilder.for_env(tokenizer, env, args.max_prompt_tokens), env
 
@@ -65,30 +65,28 @@ def _read(prompt: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="textrl-play", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--difficulty", choices=sorted(DIFFICULTIES), help="default: the checkpoint's, else easy")
+    ap.add_argument("--env", "--difficulty", dest="env", help="an env option (conf/env); default: the checkpoint's, else easy")
     ap.add_argument("--split", default="eval", choices=["train", "eval"])
     ap.add_argument("--game", type=int, default=0, help="game index within the split")
-    ap.add_argument("--game-file", help="play this compiled game (.z8) instead")
+    ap.add_argument("--game-file", help="play this game file (.z8/.ulx, TextWorld's .json beside it) instead")
     player = ap.add_mutually_exclusive_group()
     player.add_argument("--model", help="a model config name (gpt2, qwen, smollm2, tiny): watch it play greedily")
     player.add_argument("--checkpoint", help="a training checkpoint: watch the trained policy play greedily "
                                              "(its prompt settings are used)")
     ap.add_argument("--top", type=int, default=5, help="how many likely commands to show per step")
-    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the checkpoint's, else the difficulty's")
+    ap.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the checkpoint's, else the env option's")
     args = ap.parse_args(argv)
 
-    policy, env_cfg = None, load_env_config(args.difficulty or "easy")
-    if args.model or args.checkpoint:
-        try:
+    policy = None
+    try:
+        env_cfg = load_env_config(args.env or "easy")
+        if args.model or args.checkpoint:
             policy, prompts, env_cfg = _load_player(args)
-        except (CheckpointError, ModelNotFoundError, ValueError) as exc:
-            raise SystemExit(f"error: {exc}") from None
-        decoder = ConstrainedDecoder(policy, prompts.tokenizer.pad_token_id)
-
-    difficulty = DIFFICULTIES[args.difficulty or (env_cfg.difficulty if args.checkpoint else "easy")]
-    path = args.game_file or GamePool(difficulty).games(args.split, 1, start=args.game)[0]
-    env = TextGame(path, env_cfg.max_steps or difficulty.max_steps, env_cfg.step_penalty, env_cfg.win_bonus,
-                   env_cfg.history_len)
+            decoder = ConstrainedDecoder(policy, prompts.tokenizer.pad_token_id)
+        path = args.game_file or GamePool(GameSpec.from_env(env_cfg)).games(args.split, 1, start=args.game)[0]
+        env = open_game(path, env_cfg)
+    except (CheckpointError, ModelNotFoundError, ValueError) as exc:  # ConfigError and GameFileError too
+        raise SystemExit(f"error: {exc}") from None
     obs = env.reset()
     print(f"game: {path}")
 

@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 from textrl.config import CONF_DIR, ConfigError, TrainConfig, register_configs, to_train_config, validate
 from textrl.games.env import GameFileError
 from textrl.games.prompt import PromptTooLongError
-from textrl.policy.checkpoint import CheckpointError, checkpoint_config, load_policy_weights, read_checkpoint
+from textrl.policy.checkpoint import (CheckpointError, checkpoint_config, frozen_fingerprint, load_policy_weights,
+                                      read_checkpoint)
 from textrl.policy.model import ModelNotFoundError, build_policy
 from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.datamodule import RolloutDataModule
@@ -55,15 +56,19 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
         torch.set_num_threads(cfg.threads)
 
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
+    frozen_as_built = True  # checkpoints may leave the frozen weights out (they come from the model config)
     if init_state is not None:  # before the module: a KL anchor's reference is this policy
+        slim = cfg.model.trainable_layers is not None and not cfg.memory.lora
+        built = frozen_fingerprint(policy) if slim else None
         load_policy_weights(policy, init_state, cfg.memory.lora, f"model.init_from={cfg.model.init_from}")
         del init_state
+        frozen_as_built = not slim or frozen_fingerprint(policy) == built
     # behaviour cloning on walkthroughs, before the module: iteration 0's evaluation and a KL
     # anchor's reference are the warm-started policy
     warm = warm_start(policy, tokenizer, cfg) if cfg.warm_start.steps and resume_state is None else None
     if warm:
         (run_dir / "warm_start.json").write_text(json.dumps(warm, indent=2) + "\n")
-    module = PPOModule(cfg, policy, tokenizer)
+    module = PPOModule(cfg, policy, tokenizer, frozen_as_built)
     datamodule = RolloutDataModule(cfg)
     checkpoints = run_dir / "checkpoints"
     # last.ckpt after every iteration, overwritten in place (a "top-1 without a monitor" is the most

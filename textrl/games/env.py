@@ -1,8 +1,10 @@
-"""One TextWorld game behind ``reset()`` / ``step(command)``.
+"""One game behind ``reset()`` / ``step(command)``: a TextWorld story here, a TextWorldExpress game in
+``textrl.games.express``; ``open_game`` picks by the file.
 
-Reward per step = score change + ``win_bonus`` on the winning step − ``step_penalty``.
-An episode ends when the game is won or lost (``terminated``) or after ``max_steps`` commands
-(``truncated``). A command that is not admissible is refused before it reaches the game.
+Reward per step = score change + ``win_bonus`` on the winning step − ``loss_penalty`` on the
+losing step − ``step_penalty``. An episode ends when the game is won or lost (``terminated``; only
+some families can be lost, e.g. tw-cooking: a burnt ingredient, an eaten one) or after
+``max_steps`` commands (``truncated``). A command that is not admissible is refused before it reaches the game.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class Observation:
     inventory: str
     feedback: str  # what the game answered to the last command ("" after reset)
     admissible_commands: list[str]
-    score: int
-    max_score: int
+    score: float  # TextWorld: points; TextWorldExpress: its normalized score (1 = done)
+    max_score: float
     won: bool
     lost: bool
 
@@ -69,6 +71,7 @@ _BANNER_LINE = re.compile(r"^\s*>.*$|^\s*-= .* =-\s*\d+/\d+\s*$", re.MULTILINE)
 def clean_feedback(text: str) -> str:
     """Drop the command prompt / status-bar lines and the end-of-game menu; squeeze blank lines."""
     text = text.split("*** The End ***")[0]
+    text = text.split("*** You lost! ***")[0]  # a lost game's banner (tw-cooking), then its score line
     text = text.split("Would you like to RESTART")[0]
     text = _BANNER_LINE.sub("", text)
     return re.sub(r"\n\s*\n+", "\n", text).strip()
@@ -79,16 +82,27 @@ _LENGTH_SCALE = {1: 2, 2: 2, 3: 2, 4: 4, 5: 4, 6: 8, 7: 8, 8: 8}
 
 def check_game_file(path: Path) -> None:
     """Refuse files the game interpreter would hang on or misread: a Z-machine story must have a
-    valid version byte and be at least as long as its header says, and TextWorld needs the
-    game's ``.json`` beside it for admissible commands."""
+    valid version byte and be at least as long as its header says, a Glulx one its magic number,
+    and TextWorld needs the game's ``.json`` beside it for admissible commands. A TextWorldExpress
+    descriptor (``.twx``) must name a game, its parameters, fold and seed."""
+    path = Path(path)
     if not path.is_file():
         raise GameFileError(f"game file {path} does not exist; generate games with textrl.games.pool.GamePool")
+    if path.suffix == ".twx":
+        from textrl.games.express import read_descriptor
+
+        read_descriptor(path)
+        return
     data = path.read_bytes()[:64]
-    version = data[0] if data else 0
-    declared = int.from_bytes(data[0x1A:0x1C], "big") * _LENGTH_SCALE.get(version, 0) if len(data) == 64 else 0
-    if version not in _LENGTH_SCALE or declared == 0 or declared > path.stat().st_size:
-        raise GameFileError(f"{path} is not a complete Z-machine game (truncated or corrupt); delete it so "
-                            f"the pool regenerates it")
+    if path.suffix == ".ulx":
+        if data[:4] != b"Glul":
+            raise GameFileError(f"{path} is not a Glulx game (no Glul header); delete it or pass the right file")
+    else:
+        version = data[0] if data else 0
+        declared = int.from_bytes(data[0x1A:0x1C], "big") * _LENGTH_SCALE.get(version, 0) if len(data) == 64 else 0
+        if version not in _LENGTH_SCALE or declared == 0 or declared > path.stat().st_size:
+            raise GameFileError(f"{path} is not a complete Z-machine game (truncated or corrupt); delete it so "
+                                f"the pool regenerates it")
     meta = path.with_suffix(".json")
     try:
         json.loads(meta.read_text())
@@ -97,8 +111,10 @@ def check_game_file(path: Path) -> None:
                             f"regenerates it") from exc
 
 
-class TextGame:
-    """A TextWorld game with the textrl reward, step limit and a bounded history of turns.
+class Game:
+    """One game behind ``reset()`` / ``step(command)`` with the textrl reward, step limit,
+    admissibility check and a bounded history of turns; the engine (TextWorld, TextWorldExpress)
+    is a subclass's ``_start`` / ``_reset`` / ``_step`` / ``close``.
 
     The history holds at most ``history_len`` turns. When it would exceed that, the oldest half is
     dropped at once rather than one turn per step: the prompt then keeps extending the previous one
@@ -107,29 +123,85 @@ class TextGame:
     """
 
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
-                 win_bonus: float = 1.0, history_len: int = 8):
+                 win_bonus: float = 1.0, history_len: int = 8, loss_penalty: float = 1.0):
         game_file = Path(game_file)
         check_game_file(game_file)
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if history_len < 1:
+            raise ValueError(f"history_len must be >= 1, got {history_len}")
         self.game_file = game_file
         self.max_steps = max_steps
         self.step_penalty = step_penalty
         self.win_bonus = win_bonus
-        if history_len < 1:
-            raise ValueError(f"history_len must be >= 1, got {history_len}")
+        self.loss_penalty = loss_penalty
         self.history_len = history_len
         self.history: list[Turn] = []
+        self.observation: Observation | None = None
+        self.steps = 0
+        self.walkthrough: list[str] = []  # the game's own winning commands (TextWorld's walkthrough, TWX's gold path)
+        self._start()
+
+    @classmethod
+    def for_env(cls, game_file: str | Path, env) -> Game:
+        """The game with an EnvConfig's step limit, rewards and history length."""
+        return cls(game_file, env.max_steps, env.step_penalty, env.win_bonus, env.history_len, env.loss_penalty)
+
+    # ---- the engine ------------------------------------------------------------------------
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _reset(self) -> tuple[Observation, list[str]]:
+        """The first observation and the walkthrough."""
+        raise NotImplementedError
+
+    def _step(self, command: str) -> Observation:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # ---- the episode -----------------------------------------------------------------------
+    def reset(self) -> Observation:
+        self.observation, walkthrough = self._reset()
+        self.walkthrough = list(walkthrough)
+        self.history.clear()
+        self.steps = 0
+        return self.observation
+
+    def step(self, command: str) -> StepResult:
+        obs = self.observation
+        if obs is None:
+            raise RuntimeError("call reset() before step()")
+        if obs.won or obs.lost or self.steps >= self.max_steps:
+            raise RuntimeError("the episode is over; call reset() to start again")
+        if command not in obs.admissible_commands:
+            raise InvalidCommandError(
+                f"{command!r} is not admissible here; admissible commands: {obs.admissible_commands}")
+        new = self._step(command)
+        self.steps += 1
+        self.history.append(Turn(obs, command))
+        if len(self.history) > self.history_len:
+            del self.history[: max(1, self.history_len // 2)]
+        self.observation = new
+        reward = ((new.score - obs.score) + (self.win_bonus if new.won else 0.0)
+                  - (self.loss_penalty if new.lost else 0.0) - self.step_penalty)
+        terminated = new.won or new.lost
+        truncated = not terminated and self.steps >= self.max_steps
+        return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})
+
+
+class TextGame(Game):
+    """A TextWorld game file (``.z8`` / ``.ulx`` with its ``.json``)."""
+
+    def _start(self) -> None:
         try:
             with warnings.catch_warnings():
                 # Jericho cannot track score for TextWorld stories; TextWorld tracks it itself.
                 warnings.filterwarnings("ignore", message=".*is not fully supported.*")
-                self._env = textworld.start(str(game_file), request_infos=REQUEST_INFOS)
+                self._env = textworld.start(str(self.game_file), request_infos=REQUEST_INFOS)
         except Exception as exc:
-            raise GameFileError(f"TextWorld cannot load {game_file}: {exc}. Delete it so the pool regenerates it.") from exc
-        self.observation: Observation | None = None
-        self.steps = 0
-        self.walkthrough: list[str] = []
+            raise GameFileError(f"TextWorld cannot load {self.game_file}: {exc}. Delete it so the pool regenerates it.") from exc
 
     def _observe(self, state, feedback: str) -> Observation:
         return Observation(
@@ -144,37 +216,26 @@ class TextGame:
             lost=bool(state["lost"]),
         )
 
-    def reset(self) -> Observation:
+    def _reset(self) -> tuple[Observation, list[str]]:
         try:
             state = self._env.reset()
         except Exception as exc:
             raise GameFileError(f"TextWorld cannot start {self.game_file}: {exc}. Delete it so the pool regenerates it.") from exc
-        self.walkthrough = list(state.get("extra.walkthrough") or [])
-        self.history.clear()
-        self.steps = 0
-        self.observation = self._observe(state, feedback="")
-        return self.observation
+        return self._observe(state, feedback=""), state.get("extra.walkthrough") or []
 
-    def step(self, command: str) -> StepResult:
-        obs = self.observation
-        if obs is None:
-            raise RuntimeError("call reset() before step()")
-        if obs.won or obs.lost or self.steps >= self.max_steps:
-            raise RuntimeError("the episode is over; call reset() to start again")
-        if command not in obs.admissible_commands:
-            raise InvalidCommandError(
-                f"{command!r} is not admissible here; admissible commands: {obs.admissible_commands}")
+    def _step(self, command: str) -> Observation:
         state, _, _ = self._env.step(command)
-        self.steps += 1
-        self.history.append(Turn(obs, command))
-        if len(self.history) > self.history_len:
-            del self.history[: max(1, self.history_len // 2)]
-        new = self._observe(state, clean_feedback(state.feedback))
-        self.observation = new
-        reward = (new.score - obs.score) + (self.win_bonus if new.won else 0.0) - self.step_penalty
-        terminated = new.won or new.lost
-        truncated = not terminated and self.steps >= self.max_steps
-        return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})
+        return self._observe(state, clean_feedback(state.feedback))
 
     def close(self) -> None:
         self._env.close()
+
+
+def open_game(game_file: str | Path, env) -> Game:
+    """The game behind a game file, with an EnvConfig's step limit, rewards and history length:
+    a TextWorld story, or a TextWorldExpress game descriptor (``.twx``, written by the pool)."""
+    if Path(game_file).suffix == ".twx":
+        from textrl.games.express import ExpressGame
+
+        return ExpressGame.for_env(game_file, env)
+    return TextGame.for_env(game_file, env)

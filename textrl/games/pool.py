@@ -1,6 +1,7 @@
-"""Seeded TextWorld games, generated once in worker processes and cached on disk.
+"""Seeded games, generated once in worker processes and cached on disk: TextWorld's generator, its
+challenge families, and TextWorldExpress games (a small descriptor each, ``textrl.games.express``).
 
-Layout: ``<cache_dir>/<difficulty key>/<seed>/`` holds the compiled game (``game.z8`` plus its
+Layout: ``<cache_dir>/games/<GameSpec.key>/<seed>/`` holds the compiled game (``game.z8`` plus its
 ``game.json``) and ``ok.json``, written last, with the SHA-256 of each file. A directory without a
 matching ``ok.json`` is a truncated or corrupt entry and is regenerated. A seed that TextWorld cannot
 generate or compile gets a ``failed.txt`` with the error, is skipped with a warning, and the pool
@@ -12,6 +13,7 @@ evaluation seeds start at ``EVAL_SEED_BASE``.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -22,8 +24,11 @@ import shutil
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
+
+from textrl.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -33,32 +38,101 @@ GAME_FILES = ("game.z8", "game.json")
 MAX_FAILURES = 16  # more failed seeds than this (or than games asked for) means the settings are broken
 
 
+CHALLENGES = ("tw-simple", "tw-coin_collector", "tw-treasure_hunter", "tw-cooking")  # TextWorld's own families
+# TextWorldExpress's games (textrl.games.express), configured by their engine parameters
+EXPRESS = tuple(f"twx-{g}" for g in ("cookingworld", "coin", "twc", "mapreader", "arithmetic", "sorting",
+                                     "simonsays", "peckingorder"))
+GAMES = ("textworld", *CHALLENGES, *EXPRESS)
+_GENERATOR_KEYS = ("rooms", "objects", "quest_length", "theme")  # what game=textworld generates from
+
+
+class _SettingsParser(argparse.ArgumentParser):
+    """A challenge family's own argument parser (the one ``tw-make`` uses), raising instead of exiting."""
+
+    def error(self, message):
+        raise ConfigError(f"env.settings of {self.prog}: {message} (its settings: {self.format_usage().strip()}; "
+                          f"write them as env.settings.<name>=<value>, booleans as true)")
+
+
+def challenge_settings(game: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` checked by the family's own argument parser and completed with its defaults."""
+    from textworld.challenges import CHALLENGES as REGISTERED
+
+    parser = _SettingsParser(prog=game, add_help=False)
+    REGISTERED[game][2](parser)
+    args = []
+    for key, value in settings.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not False and value is not None:
+            args += [flag, str(value)]
+    return vars(parser.parse_args(args))
+
+
 @dataclass(frozen=True)
-class Difficulty:
-    """Generation settings for one difficulty; ``max_steps`` is the episode step limit."""
+class GameSpec:
+    """How the games of one setting are made from a seed: TextWorld's generator with rooms, objects,
+    quest length and theme (``game="textworld"``), or one of TextWorld's challenge families with its
+    complete settings. ``max_steps`` is the episode step limit."""
 
     name: str
-    nb_rooms: int
-    nb_objects: int
-    quest_length: int
     max_steps: int
-    theme: str = "house"
+    game: str = "textworld"
+    rooms: int | None = None
+    objects: int | None = None
+    quest_length: int | None = None
+    theme: str | None = None
+    settings: tuple[tuple[str, Any], ...] = ()  # a challenge family's settings, defaults filled in
+
+    @classmethod
+    def from_env(cls, env) -> GameSpec:
+        """The spec of an EnvConfig; a ConfigError names a key that does not fit its ``env.game``."""
+        if env.game not in GAMES:
+            raise ConfigError(f"env.game={env.game!r} is not allowed: one of {list(GAMES)}")
+        generator = {key: getattr(env, key) for key in _GENERATOR_KEYS}
+        if env.game == "textworld":
+            for key in _GENERATOR_KEYS[:3]:
+                if not isinstance(generator[key], int) or generator[key] < 1:
+                    raise ConfigError(f"env.{key}={generator[key]!r} is not allowed: an integer >= 1 with env.game=textworld")
+            if env.settings:
+                raise ConfigError(f"env.settings={dict(env.settings)} is not allowed with env.game=textworld: the "
+                                  f"generator takes env.rooms, env.objects, env.quest_length and env.theme")
+            return cls(env.name, env.max_steps, **generator)
+        given = [key for key, value in generator.items() if value is not None]
+        if given:
+            raise ConfigError(f"env.{given[0]}={generator[given[0]]!r} is not allowed with env.game={env.game}: "
+                              f"set it to null (env.game={env.game} is configured by env.settings)")
+        if env.game in EXPRESS:
+            from textrl.games import express
+
+            if not express.java_available():
+                raise ConfigError(f"env.game={env.game}: {express.JAVA_MISSING}")
+            settings = dict(env.settings)
+            express.check_params(env.game.removeprefix("twx-"), settings)
+            return cls(env.name, env.max_steps, env.game, settings=tuple(sorted(settings.items())))
+        return cls(env.name, env.max_steps, env.game,
+                   settings=tuple(sorted(challenge_settings(env.game, env.settings).items())))
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files of one cached game; the first is the one games are opened by."""
+        return ("game.twx",) if self.game in EXPRESS else GAME_FILES
 
     @property
     def key(self) -> str:
+        """The cache folder: every setting that changes the games, and TextWorld's version."""
         import textworld
 
-        return (
-            f"{self.name}-r{self.nb_rooms}-o{self.nb_objects}-q{self.quest_length}"
-            f"-{self.theme}-tw{textworld.__version__}"
-        )
+        if self.game == "textworld":
+            what = f"r{self.rooms}-o{self.objects}-q{self.quest_length}-{self.theme}"
+        elif self.game in EXPRESS:
+            from textworld_express.version import __version__
 
-
-DIFFICULTIES = {
-    "easy": Difficulty("easy", nb_rooms=2, nb_objects=4, quest_length=1, max_steps=8),
-    "medium": Difficulty("medium", nb_rooms=3, nb_objects=4, quest_length=3, max_steps=32),
-    "hard": Difficulty("hard", nb_rooms=6, nb_objects=6, quest_length=5, max_steps=32),
-}
+            return "-".join([self.game, *(f"{k}{v}" for k, v in self.settings), f"twx{__version__}"])
+        else:
+            what = "-".join(k if v is True else f"{k}{v}" for k, v in self.settings if v is not False and v is not None)
+        return f"{self.game}-{what}-tw{textworld.__version__}"
 
 
 def default_cache_dir() -> Path:
@@ -78,22 +152,30 @@ def seed_for(split: str, index: int) -> int:
     return index if split == "train" else EVAL_SEED_BASE + index
 
 
+def game_name(path: str | Path) -> str:
+    """A game's short name: its seed for a pool game (``<key>/<seed>/game.z8``), else its file name."""
+    path = Path(path)
+    return path.parent.name if path.stem == "game" else path.name
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def is_valid_entry(entry: Path) -> bool:
+def is_valid_entry(entry: Path, files: tuple[str, ...] = GAME_FILES) -> bool:
     """True when every game file exists and matches the hash recorded in ``ok.json``."""
     try:
         manifest = json.loads((entry / "ok.json").read_text())
-        return all(_sha256(entry / name) == manifest[name] for name in GAME_FILES)
+        return all(_sha256(entry / name) == manifest[name] for name in files)
     except (OSError, ValueError, KeyError):
         return False
 
 
-def _generate(difficulty: Difficulty, seed: int, entry: Path) -> str | None:
-    """Worker: generate and compile one game into ``entry``. Returns an error text or None."""
+def _generate(spec: GameSpec, seed: int, entry: Path, express_seed: int | None = None) -> str | None:
+    """Worker: generate and compile one game into ``entry`` (a TextWorldExpress game: write its
+    descriptor, with the engine's ``express_seed``). Returns an error text or None."""
     import textworld
+    from textworld.challenges import CHALLENGES as REGISTERED
     from textworld.generator import compile_game, make_game
 
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -101,14 +183,24 @@ def _generate(difficulty: Difficulty, seed: int, entry: Path) -> str | None:
     try:
         options = textworld.GameOptions()
         options.seeds = seed
-        options.nb_rooms = difficulty.nb_rooms
-        options.nb_objects = difficulty.nb_objects
-        options.quest_length = difficulty.quest_length
-        options.theme = difficulty.theme
         options.path = str(tmp / "game.z8")
         options.force_recompile = True
-        compile_game(make_game(options), options)
-        manifest = {name: _sha256(tmp / name) for name in GAME_FILES}
+        if spec.game in EXPRESS:
+            from textrl.games.express import write_descriptor
+
+            split = "train" if seed < EVAL_SEED_BASE else "eval"
+            if express_seed is None:
+                raise ValueError(f"TextWorldExpress's fold for textrl's {split} split has no game left for seed {seed}")
+            write_descriptor(tmp / "game.twx", spec.game.removeprefix("twx-"), dict(spec.settings), split, express_seed)
+        else:
+            if spec.game == "textworld":
+                options.nb_rooms, options.nb_objects = spec.rooms, spec.objects
+                options.quest_length, options.theme = spec.quest_length, spec.theme
+                game = make_game(options)
+            else:
+                game = REGISTERED[spec.game][1](dict(spec.settings), options)
+            compile_game(game, options)
+        manifest = {name: _sha256(tmp / name) for name in spec.files}
         (tmp / "ok.json").write_text(json.dumps(manifest))
         if entry.exists():
             shutil.rmtree(entry)
@@ -124,23 +216,24 @@ def _generate(difficulty: Difficulty, seed: int, entry: Path) -> str | None:
 
 
 class GamePool:
-    """Compiled games of one difficulty, addressed by split and index.
+    """Compiled games of one setting, addressed by split and index.
 
-    >>> pool = GamePool(DIFFICULTIES["easy"])
+    >>> pool = GamePool("easy")                  # an env option's name, or a GameSpec
     >>> paths = pool.games("train", 16)          # generates what is missing, reuses the rest
     """
 
-    def __init__(self, difficulty: Difficulty | str, cache_dir: str | Path | None = None, workers: int = 2):
-        if isinstance(difficulty, str):
-            if difficulty not in DIFFICULTIES:
-                raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {sorted(DIFFICULTIES)}")
-            difficulty = DIFFICULTIES[difficulty]
+    def __init__(self, spec: GameSpec | str, cache_dir: str | Path | None = None, workers: int = 2):
+        if isinstance(spec, str):
+            from textrl.config import load_env_config
+
+            spec = GameSpec.from_env(load_env_config(spec))
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        self.difficulty = difficulty
-        self.root = Path(cache_dir or default_cache_dir()) / "games" / difficulty.key
+        self.spec = spec
+        self.root = Path(cache_dir or default_cache_dir()) / "games" / spec.key
         self.workers = workers
         self.generated = 0  # games generated (not loaded from cache) by this pool, for tests and benchmarks
+        self._fold_seeds: dict[str, list[int]] = {}  # TextWorldExpress: the engine's seeds of each fold
 
     def entry(self, seed: int) -> Path:
         return self.root / str(seed)
@@ -164,15 +257,15 @@ class GamePool:
         while len(found) < n:
             batch = list(itertools.islice(seeds, n - len(found)))
             if not batch:
-                raise RuntimeError(f"ran out of seeds after {len(found)} of {n} {self.difficulty.name} games")
+                raise RuntimeError(f"ran out of seeds after {len(found)} of {n} {self.spec.name} games")
             missing = []
             for seed in batch:
                 entry = self.entry(seed)
-                if is_valid_entry(entry):
-                    found.append((seed, entry / "game.z8"))
+                if is_valid_entry(entry, self.spec.files):
+                    found.append((seed, entry / self.spec.files[0]))
                 elif (entry / "failed.txt").exists():
                     failures += 1
-                    log.warning("skipping %s game seed %d (failed before): %s", self.difficulty.name, seed,
+                    log.warning("skipping %s game seed %d (failed before): %s", self.spec.name, seed,
                                 (entry / "failed.txt").read_text())
                 else:
                     if entry.exists():
@@ -180,22 +273,24 @@ class GamePool:
                     missing.append(seed)
             for seed, error in zip(missing, self._generate_all(missing)):
                 if error is None:
-                    found.append((seed, self.entry(seed) / "game.z8"))
+                    found.append((seed, self.entry(seed) / self.spec.files[0]))
                 else:
                     failures += 1
-                    log.warning("skipping %s game seed %d: %s", self.difficulty.name, seed, error)
+                    log.warning("skipping %s game seed %d: %s", self.spec.name, seed, error)
             if failures > max(MAX_FAILURES, n):
                 raise RuntimeError(
-                    f"{failures} {self.difficulty.name} game seeds failed to generate (see the warnings); "
-                    f"check the difficulty settings {self.difficulty} and the TextWorld install")
+                    f"{failures} {self.spec.name} game seeds failed to generate (see the warnings); "
+                    f"check the settings {self.spec} and the TextWorld install")
         return [path for _, path in sorted(found)]
 
     def _generate_all(self, seeds: list[int]) -> list[str | None]:
         if not seeds:
             return []
         self.root.mkdir(parents=True, exist_ok=True)
-        jobs = [(self.difficulty, s, self.entry(s)) for s in seeds]
         self.generated += len(seeds)
+        if self.spec.game in EXPRESS:  # a descriptor per game: nothing to spread over workers
+            return [_generate(self.spec, s, self.entry(s), self._express_seed(s)) for s in seeds]
+        jobs = [(self.spec, s, self.entry(s)) for s in seeds]
         if self.workers == 1 or len(seeds) == 1:
             return [_generate(*job) for job in jobs]
         # fork: spawn would re-import the caller's __main__ (breaking unguarded scripts); the children
@@ -203,3 +298,13 @@ class GamePool:
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=min(self.workers, len(seeds)), mp_context=ctx) as ex:
             return list(ex.map(_generate, *zip(*jobs)))
+
+    def _express_seed(self, seed: int) -> int | None:
+        """The engine seed of textrl game ``seed``: the n-th valid seed of the split's fold."""
+        from textrl.games.express import fold_seeds
+
+        split, index = ("train", seed) if seed < EVAL_SEED_BASE else ("eval", seed - EVAL_SEED_BASE)
+        if split not in self._fold_seeds:
+            self._fold_seeds[split] = fold_seeds(self.spec.game.removeprefix("twx-"), dict(self.spec.settings), split)
+        seeds = self._fold_seeds[split]
+        return seeds[index] if index < len(seeds) else None

@@ -1,15 +1,21 @@
 """Reading textrl training checkpoints: for resuming (train.py ckpt_path=...) and for loading the
-trained policy (textrl-eval, textrl-play, textrl-export)."""
+trained policy (textrl-eval, textrl-play, textrl-export).
+
+A checkpoint holds what training changes. With LoRA the frozen base weights are left out; with
+``model.trainable_layers`` the frozen lower blocks and embeddings are too, and come back from the
+model config when the policy is built, checked against the SHA-256 of the frozen weights the run
+trained on (``frozen_fingerprint``), so a different base model is refused instead of mixed in."""
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from textrl.config import TrainConfig
+from textrl.config import TrainConfig, load_env_config
 from textrl.policy.model import PolicyValueModel, build_policy
 
 
@@ -47,19 +53,60 @@ def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, 
 
 
 def checkpoint_config(state: dict) -> TrainConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), state["textrl"]["config"]))
+    saved = OmegaConf.create(state["textrl"]["config"])
+    env = saved.get("env", {})
+    if "difficulty" in env:
+        # written before env options named their games (env.difficulty, max_steps null = the
+        # difficulty's): the same games and step limit under today's keys
+        preset = load_env_config(env.pop("difficulty"))
+        env.max_steps = env.get("max_steps") or preset.max_steps
+        for key in ("name", "game", "rooms", "objects", "quest_length", "theme"):
+            env[key] = getattr(preset, key)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
+
+
+def frozen_names(module: torch.nn.Module) -> set[str]:
+    """State-dict names of the frozen parameters (tied aliases such as a tied ``lm_head`` included)."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def frozen_fingerprint(module: torch.nn.Module, state: dict | None = None, prefix: str = "") -> str:
+    """SHA-256 over the frozen parameters' names, shapes and bytes: the module's own (taken when the
+    policy is built, before it moves to a device), or those a full checkpoint ``state`` holds for
+    them under ``prefix``."""
+    digest = hashlib.sha256()
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            t = state[prefix + name] if state is not None else p
+            digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+            digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_frozen(state: dict, fingerprint: str, origin: str) -> None:
+    """A checkpoint that left its frozen weights out must have been trained on these ones."""
+    saved = state.get("textrl", {}).get("frozen")
+    if saved is not None and saved["fingerprint"] != fingerprint:
+        raise CheckpointError(f"{origin} was trained on other frozen weights than the ones this model config "
+                              f"gives (SHA-256 {saved['fingerprint'][:12]}... vs {fingerprint[:12]}...): use the "
+                              f"same model (model.name/path/init_seed) the run was trained with")
 
 
 def load_policy_weights(policy: PolicyValueModel, state: dict, lora: bool, origin: str) -> None:
-    """Put a checkpoint's policy weights (all of them, or with LoRA the adapters + value head) into
-    ``policy``, built from the same model config; ``origin`` names the checkpoint in errors."""
+    """Put a checkpoint's policy weights (all of them; with LoRA the adapters + value head; with
+    ``model.trainable_layers`` the trainable blocks + value head) into ``policy``, built from the
+    same model config; ``origin`` names the checkpoint in errors."""
     weights = {k.removeprefix("policy."): v for k, v in state["state_dict"].items() if k.startswith("policy.")}
+    slim = "frozen" in state.get("textrl", {})
     try:
-        missing, unexpected = policy.load_state_dict(weights, strict=not lora)
+        missing, unexpected = policy.load_state_dict(weights, strict=not (lora or slim))
     except RuntimeError as exc:
         raise CheckpointError(f"{origin} does not fit this model: {str(exc).splitlines()[0]}") from exc
-    if unexpected or (lora and any("lora_" in k or "value_head" in k for k in missing)):
+    if unexpected or (lora and any("lora_" in k or "value_head" in k for k in missing)) \
+            or (slim and not set(missing) <= frozen_names(policy)):
         raise CheckpointError(f"{origin} does not fit this model: unexpected {unexpected[:3]}, missing {missing[:3]}")
+    if slim:
+        check_frozen(state, frozen_fingerprint(policy), origin)
 
 
 def load_checkpoint_policy(path: str | Path, option: str = "checkpoint") -> tuple[PolicyValueModel, object, TrainConfig]:

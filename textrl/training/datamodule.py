@@ -16,8 +16,8 @@ from pathlib import Path
 import lightning as L
 from torch.utils.data import DataLoader
 
-from textrl.config import TrainConfig
-from textrl.games.pool import GamePool
+from textrl.config import EnvConfig, TrainConfig, load_env_config
+from textrl.games.pool import GamePool, GameSpec
 
 
 def _as_is(item):
@@ -35,15 +35,36 @@ class RolloutDataModule(L.LightningDataModule):
         self.cfg = cfg
         self.train_games: list[Path] = []
         self.eval_games: list[Path] = []
+        # the curriculum (cfg.curriculum.stages): its stage, the stage's per-iteration training win
+        # rates and its recently lost games; saved in checkpoints (state_dict), so a resumed run
+        # continues at the same stage with the same replays
+        self.stage = 0
+        self.stage_win_rates: list[float] = []
+        self.lost: list[str] = []
+        self.replayed = 0  # how many of the last games_for_iteration's games were replays
+
+    @property
+    def train_env(self) -> EnvConfig:
+        """The env config training rollouts play: ``env``, or the curriculum stage's games shown with
+        ``env``'s prompt settings."""
+        stages = self.cfg.curriculum.stages
+        return load_env_config(stages[self.stage]).with_prompt_of(self.cfg.env) if stages else self.cfg.env
+
+    def _train_pool(self, env: EnvConfig) -> list[Path]:
+        e = self.cfg.env
+        n_train = e.num_envs // e.group_size if e.repeatable else e.pool_size
+        return GamePool(GameSpec.from_env(env), cache_dir=self.cfg.cache_dir, workers=e.workers).games("train", n_train)
 
     def prepare_data(self):
-        self._pool_games()  # generate once, on one process; setup() then only reads the cache
+        # generate once, on one process (every curriculum stage's games too); setup() only reads the cache
+        for stage in self.cfg.curriculum.stages:
+            self._train_pool(load_env_config(stage))
+        self._pool_games()
 
     def _pool_games(self):
         e = self.cfg.env
-        pool = GamePool(e.difficulty, cache_dir=self.cfg.cache_dir, workers=e.workers)
-        n_train = e.num_envs // e.group_size if e.repeatable else e.pool_size
-        return pool.games("train", n_train), pool.games("eval", self.cfg.eval.games)
+        pool = GamePool(GameSpec.from_env(e), cache_dir=self.cfg.cache_dir, workers=e.workers)
+        return self._train_pool(self.train_env), pool.games("eval", self.cfg.eval.games)
 
     def setup(self, stage: str):
         if not self.train_games:
@@ -57,12 +78,47 @@ class RolloutDataModule(L.LightningDataModule):
     def games_for_iteration(self, iteration: int) -> list[Path]:
         """This rank's share of the iteration's ``env.num_envs`` episodes: ``num_envs / group_size``
         games, each listed ``group_size`` times in a row. A game's group stays on one rank, so the
-        group baselines (ppo.advantage=grpo|rloo) see all of its episodes."""
+        group baselines (ppo.advantage=grpo|rloo) see all of its episodes. With a curriculum, a
+        ``curriculum.replay`` share of the games are recently lost ones of the stage."""
         e = self.cfg.env
         n = e.num_envs // e.group_size
-        games = self.train_games[:n] if e.repeatable else iteration_rng(self.cfg.seed, iteration).sample(self.train_games, n)
+        rng = iteration_rng(self.cfg.seed, iteration)
+        if e.repeatable:
+            games = self.train_games[:n]
+        else:
+            replayed = [Path(g) for g in rng.sample(self.lost, min(len(self.lost), round(self.cfg.curriculum.replay * n)))] \
+                if self.cfg.curriculum.stages else []
+            fresh = [g for g in self.train_games if g not in replayed]
+            games = replayed + rng.sample(fresh, n - len(replayed))
+            self.replayed = len(replayed)
         rank, world = self._rank_world
         return [g for g in games[rank::world] for _ in range(e.group_size)]
+
+    def record(self, win_rate: float, lost: list[str]) -> bool:
+        """An iteration's training win rate (over all ranks) and this rank's lost games; moves to the
+        next curriculum stage when the stage's last ``curriculum.window`` win rates average at least
+        ``curriculum.threshold``. Returns whether it moved."""
+        c = self.cfg.curriculum
+        if not c.stages:
+            return False
+        self.stage_win_rates.append(win_rate)
+        self.lost = [g for g in self.lost if g not in set(lost)] + lost
+        del self.lost[: max(0, len(self.lost) - c.replay_size)]
+        recent = self.stage_win_rates[-c.window:]
+        if self.stage + 1 < len(c.stages) and len(recent) == c.window and sum(recent) / c.window >= c.threshold:
+            self.stage += 1
+            self.stage_win_rates, self.lost = [], []
+            self.train_games = self._train_pool(self.train_env)
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"stage": self.stage, "stage_win_rates": self.stage_win_rates, "lost": self.lost}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stage, self.stage_win_rates, self.lost = state["stage"], state["stage_win_rates"], state["lost"]
+        if self.cfg.curriculum.stages:
+            self.train_games = self._train_pool(self.train_env)
 
     def train_dataloader(self):
         # one item (not None: Lightning skips a step whose batch is None), one training step per epoch

@@ -31,12 +31,12 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-from textrl.config import PPOConfig, TrainConfig
-from textrl.games.env import TextGame
-from textrl.games.pool import DIFFICULTIES
+from textrl.config import EnvConfig, PPOConfig, TrainConfig
+from textrl.games.env import open_game
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
 from textrl.policy.memory import make_optimizer
+from textrl.policy.checkpoint import check_frozen, frozen_fingerprint, frozen_names
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.reference import ReferencePolicy
@@ -62,16 +62,21 @@ def lr_factor(iteration: int, iterations: int, floor: float) -> float:
 
 
 class PPOModule(L.LightningModule):
-    def __init__(self, cfg: TrainConfig, policy: PolicyValueModel, tokenizer):
+    def __init__(self, cfg: TrainConfig, policy: PolicyValueModel, tokenizer, frozen_as_built: bool = True):
         super().__init__()
         self.automatic_optimization = False
-        self.strict_loading = not cfg.memory.lora  # LoRA checkpoints leave out the frozen base weights
+        # checkpoints hold what training changes: LoRA's adapters, or with model.trainable_layers the
+        # trainable blocks; the frozen weights come from the model config (checked by fingerprint)
+        # (``frozen_as_built=False``: model.init_from brought other frozen weights, which must be saved)
+        slim = cfg.model.trainable_layers is not None and not cfg.memory.lora and frozen_as_built
+        self.frozen_keys = {f"policy.{n}" for n in frozen_names(policy)} if slim else set()
+        self.frozen_fingerprint = frozen_fingerprint(policy) if slim else None
+        self.strict_loading = not (cfg.memory.lora or slim)
         self.cfg = cfg
         self.policy = policy
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder.for_env(tokenizer, cfg.env)
         self.decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
-        self.max_steps = cfg.env.max_steps or DIFFICULTIES[cfg.env.difficulty].max_steps
         self._eval_episodes: list[list[Episode]] = [[], []]
         self._eval_start = 0.0
         self.iterations_done = 0  # completed PPO iterations (saved in checkpoints)
@@ -88,7 +93,8 @@ class PPOModule(L.LightningModule):
     def training_step(self, batch: str, batch_idx: int) -> None:
         cfg, p = self.cfg, self.cfg.ppo
         iteration = self.current_epoch
-        games = self.trainer.datamodule.games_for_iteration(iteration)
+        data = self.trainer.datamodule
+        games, env = data.games_for_iteration(iteration), data.train_env  # env: a curriculum's stage
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         temperature = temperature_at(p, iteration)
         lr_lm, lr_value = (g["lr"] for g in optimizer.param_groups)  # the rates this iteration uses
@@ -96,8 +102,13 @@ class PPOModule(L.LightningModule):
         # 1. Rollout: one episode per game, each sampled with its own seed
         start = time.perf_counter()
         seeds = episode_seeds(cfg.seed, iteration, games)
-        episodes, stats = self.play(games, temperature=temperature, seeds=seeds)
+        episodes, stats = self.play(games, temperature=temperature, seeds=seeds, env=env)
         rollout_s = time.perf_counter() - start
+        stage = data.stage
+        if cfg.curriculum.stages:  # the curriculum moves on the win rate of all ranks' episodes
+            won = self.trainer.strategy.reduce(torch.tensor([sum(e.won for e in episodes), len(episodes)],
+                                                            dtype=torch.float32, device=self.device), reduce_op="sum")
+            data.record(float(won[0] / won[1]), [e.game for e in episodes if not e.won])
 
         # 2. Sequences and the optimizer steps over them; the old log-probs and values
         per_episode = [episode_sequences(e) for e in episodes]
@@ -168,16 +179,25 @@ class PPOModule(L.LightningModule):
         if self.reference is not None:
             metrics["perf/reference_s"] = reference_s
             metrics["policy/kl_ref"] = sums["kl_ref"] / n
+        if cfg.curriculum.stages:
+            metrics["curriculum/stage"] = float(stage)  # the stage this iteration played
+            metrics["curriculum/replayed"] = float(data.replayed)  # its games that were recently lost ones
+            if data.stage_win_rates:  # what the next move is decided on (empty right after a move)
+                metrics["curriculum/stage_win_rate"] = sum(data.stage_win_rates[-cfg.curriculum.window:]) / min(
+                    len(data.stage_win_rates), cfg.curriculum.window)
         self.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=True)  # means over ranks
         self.log("rollout/episodes", float(len(episodes)), on_step=True, on_epoch=False, sync_dist=True,
                  reduce_fx="sum")
         self.iterations_done = iteration + 1
 
     # ---- the pieces training_step calls -------------------------------------------------------
-    def play(self, games: list[Path], temperature: float = 1.0, seeds: list[int] | None = None) -> tuple[list[Episode], RolloutStats]:
-        """Sampled training episodes (with ``seeds``) or greedy evaluation episodes (without)."""
-        envs = [TextGame(g, self.max_steps, self.cfg.env.step_penalty, self.cfg.env.win_bonus,
-                         self.cfg.env.history_len) for g in games]
+    def play(self, games: list[Path], temperature: float = 1.0, seeds: list[int] | None = None,
+             env: EnvConfig | None = None) -> tuple[list[Episode], RolloutStats]:
+        """Sampled training episodes (with ``seeds``) or greedy evaluation episodes (without), of
+        ``env``'s games (default: ``cfg.env``; a curriculum stage's otherwise)."""
+        env = env or self.cfg.env
+        envs = [open_game(g, env) for g in games]
+        prompts = self.prompts if env is self.cfg.env else PromptBuilder.for_env(self.tokenizer, env)
         # the same autocast as the update (bf16-mixed etc.), so rollout and update compute one function
         precision = self._trainer.precision_plugin.forward_context() if self._trainer else contextlib.nullcontext()
         was_training = self.policy.training
@@ -185,7 +205,7 @@ class PPOModule(L.LightningModule):
         greedy = seeds is None
         try:
             with precision:
-                return play(envs, self.decoder, self.prompts, temperature=temperature, greedy=greedy, seeds=seeds,
+                return play(envs, self.decoder, prompts, temperature=temperature, greedy=greedy, seeds=seeds,
                             bootstrap=not greedy, explore=0.0 if greedy else self.cfg.ppo.explore)
         finally:
             self.policy.train(was_training)
@@ -306,7 +326,9 @@ class PPOModule(L.LightningModule):
         self._eval_start = time.perf_counter()
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
-        self._eval_episodes[dataloader_idx] += self.play(batch)[0]
+        # the fixed training games (loader 1) are the current curriculum stage's
+        env = self.trainer.datamodule.train_env if dataloader_idx == 1 else None
+        self._eval_episodes[dataloader_idx] += self.play(batch, env=env)[0]
 
     def on_validation_epoch_end(self):
         # inside fit, validation follows the update of epoch k (iteration k + 1); a stand-alone
@@ -338,6 +360,9 @@ class PPOModule(L.LightningModule):
         if self.cfg.memory.lora:  # adapters + value head only: the frozen base comes from the model config
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                         if "lora_" in k or k.startswith("policy.value_head.")}
+        elif self.frozen_keys:  # the trainable blocks, value head and buffers
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in self.frozen_keys}
+            checkpoint.setdefault("textrl", {})["frozen"] = {"fingerprint": self.frozen_fingerprint}
         checkpoint.setdefault("textrl", {}).update({
             "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
             "iterations_done": self.iterations_done,
@@ -345,6 +370,10 @@ class PPOModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint):
         self.iterations_done = checkpoint["textrl"]["iterations_done"]
+        if "frozen" in checkpoint["textrl"]:
+            check_frozen(checkpoint, self.frozen_fingerprint or "", f"ckpt_path={self.cfg.ckpt_path}")
+        elif self.frozen_keys and frozen_fingerprint(self.policy, checkpoint["state_dict"], "policy.") != self.frozen_fingerprint:
+            self.frozen_keys = set()  # a full checkpoint with other frozen weights (model.init_from): keep saving them
 
 
 def _accumulate(sums: dict[str, float], terms: PPOTerms) -> None:

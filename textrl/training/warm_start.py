@@ -1,7 +1,7 @@
 """Behaviour cloning on walkthroughs: the optional warm start before PPO (``warm_start.steps``).
 
 Every generated TextWorld game ships a walkthrough. Each of ``warm_start.games`` training games
-(the pool's train split: evaluation games are never read) is replayed through ``TextGame`` with its
+(the pool's train split: evaluation games are never read) is replayed through ``open_game`` with its
 walkthrough; one that asks for a command that is not admissible, or that does not win within the
 step limit, is skipped and counted. A replayed step is exactly the turn a rollout would record: the
 same prompt (``PromptBuilder``, same history), the same trie of the admissible commands, the same
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from textrl.config import ConfigError, TrainConfig
-from textrl.games.env import TextGame
-from textrl.games.pool import DIFFICULTIES, GamePool
+from textrl.games.env import open_game
+from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import forced_action, masked_logprobs
 from textrl.policy.memory import make_optimizer
@@ -46,11 +46,9 @@ log = logging.getLogger(__name__)
 def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainConfig) -> tuple[list[Episode], list[str]]:
     """Each game's walkthrough replayed as an episode of forced actions; (winning episodes, the
     games whose walkthrough was not admissible or did not win)."""
-    e = cfg.env
-    max_steps = e.max_steps or DIFFICULTIES[e.difficulty].max_steps
     kept, skipped = [], []
     for game in games:
-        env = TextGame(game, max_steps, e.step_penalty, e.win_bonus, e.history_len)
+        env = open_game(game, cfg.env)
         episode = Episode(game=str(game))
         try:
             obs = env.reset()
@@ -114,7 +112,7 @@ def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[st
     fabric = make_fabric(cfg)
     policy.to(fabric.device)
     prompts = PromptBuilder.for_env(tokenizer, e)
-    games = GamePool(e.difficulty, cache_dir=cfg.cache_dir, workers=e.workers).games("train", w.games)
+    games = GamePool(GameSpec.from_env(e), cache_dir=cfg.cache_dir, workers=e.workers).games("train", w.games)
     episodes, skipped = walkthrough_episodes(games, prompts, cfg)
     if skipped:
         log.warning("warm start: %d of %d walkthroughs skipped (a command not admissible, or no win "
@@ -125,7 +123,7 @@ def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[st
     turns = [t for t, step in enumerate(steps) for _ in step.action.decisions]
     if not sequences:
         raise ConfigError(f"warm_start.steps={w.steps}: none of the {len(games)} walkthroughs of env="
-                          f"{e.difficulty} wins within its step limit; raise env.max_steps or set warm_start.steps=0")
+                          f"{e.name} wins within its step limit; raise env.max_steps or set warm_start.steps=0")
     pad_id = tokenizer.pad_token_id
     mb = cfg.ppo.minibatch_size
     params = [p for p in policy.lm.parameters() if p.requires_grad]

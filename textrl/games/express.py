@@ -1,0 +1,133 @@
+"""TextWorldExpress games (CookingWorld, Coin Collector, TWC, MapReader, Arithmetic, Sorting, Simon
+Says, Pecking Order) behind the same ``Game`` interface as TextWorld's.
+
+TextWorldExpress generates a game from (game name, parameters, fold, seed) inside a Java engine
+(its JAR, driven over py4j). The pool writes that tuple as a small JSON descriptor, ``game.twx``,
+so every layer above the environment (pool, datamodule, rollout, transcripts, ``textrl-eval
+--games``) keeps addressing games by file. textrl's ``train`` split plays TWX's train fold and its
+``eval`` split the dev fold (the test fold stays unused, for a final check). The score is TWX's
+normalized score (1 when the task is done), so a winning episode gains 1 point plus the win bonus.
+
+Each engine is a Java process (about 0.3 s to start): engines are kept after a game closes and
+reused by the next one, and shut down when Python exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+from pathlib import Path
+
+from textrl.games.env import Game, GameFileError, Observation
+
+FOLDS = {"train": "train", "eval": "dev"}  # textrl split -> TextWorldExpress fold
+JAVA_MISSING = ("TextWorldExpress runs its game engine in Java, and no `java` is on the PATH. Install a Java "
+                "runtime (11 or newer), e.g. `sudo apt-get install -y default-jre-headless` (Debian/Ubuntu), "
+                "`brew install openjdk` (macOS) or `conda install -c conda-forge openjdk`, then run again.")
+
+_idle: list = []  # started engines no game is using
+
+
+def java_available() -> bool:
+    return shutil.which("java") is not None
+
+
+def _engine():
+    if _idle:
+        return _idle.pop()
+    if not java_available():
+        raise GameFileError(JAVA_MISSING)
+    from textworld_express import TextWorldExpressEnv
+
+    # the step limit is textrl's (Game.max_steps); the engine's own one must never cut in first
+    return TextWorldExpressEnv(envStepLimit=10**9)
+
+
+@atexit.register
+def _shutdown() -> None:
+    while _idle:
+        _idle.pop().close()
+
+
+def params_text(settings: dict) -> str:
+    """TWX's parameter string: ``numLocations=3,includeDoors=0`` (booleans as 0/1)."""
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in settings.items())
+
+
+def check_params(game: str, settings: dict) -> None:
+    """Let the engine judge the parameters (it names unknown ones and out-of-range values)."""
+    engine = _engine()
+    try:
+        engine.load(game, params_text(settings))
+    except ValueError as exc:
+        from textrl.config import ConfigError
+
+        raise ConfigError(f"env.settings={dict(settings)} for TextWorldExpress game {game!r}: {exc}".strip()) from None
+    finally:
+        _idle.append(engine)
+
+
+def fold_seeds(game: str, settings: dict, split: str) -> list[int]:
+    """The engine's valid seeds of the fold that textrl's ``split`` plays, in order."""
+    engine = _engine()
+    try:
+        engine.load(game, params_text(settings))
+        return list(engine.getValidSeedsTrain() if FOLDS[split] == "train" else engine.getValidSeedsDev())
+    finally:
+        _idle.append(engine)
+
+
+def write_descriptor(path: Path, game: str, settings: dict, split: str, seed: int) -> None:
+    path.write_text(json.dumps({"game": game, "params": params_text(settings), "fold": FOLDS[split], "seed": seed}))
+
+
+def read_descriptor(path: Path) -> dict:
+    try:
+        d = json.loads(Path(path).read_text())
+        if not (isinstance(d["game"], str) and isinstance(d["params"], str) and d["fold"] in {"train", "dev", "test"}
+                and isinstance(d["seed"], int)):
+            raise ValueError("wrong types")
+        return d
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise GameFileError(f"{path} is not a TextWorldExpress game descriptor ({exc}): it needs "
+                            f'{{"game": ..., "params": "k=v,...", "fold": "train|dev|test", "seed": N}}') from exc
+
+
+class ExpressGame(Game):
+    """A TextWorldExpress game, from its ``.twx`` descriptor."""
+
+    def _start(self) -> None:
+        self._spec = read_descriptor(self.game_file)
+        self._env = _engine()
+
+    def _observe(self, infos: dict, feedback: str) -> Observation:
+        return Observation(
+            objective=infos["taskDescription"].strip(),
+            description=infos["look"].strip(),
+            inventory=infos["inventory"].strip(),
+            feedback=feedback,
+            admissible_commands=sorted(set(infos["validActions"])),
+            score=float(infos["score"]),
+            max_score=1.0,
+            won=bool(infos["tasksuccess"]),
+            lost=bool(infos["taskfailure"]),
+        )
+
+    def _reset(self) -> tuple[Observation, list[str]]:
+        s = self._spec
+        try:
+            _, infos = self._env.reset(seed=s["seed"], gameFold=s["fold"], gameName=s["game"], gameParams=s["params"],
+                                       generateGoldPath=True)
+        except Exception as exc:  # py4j / engine errors: a descriptor the engine cannot play
+            raise GameFileError(f"TextWorldExpress cannot start {self.game_file} ({s}): {exc}") from exc
+        return self._observe(infos, feedback=""), self._env.getGoldActionSequence()
+
+    def _step(self, command: str) -> Observation:
+        observation, _, _, infos = self._env.step(command)
+        return self._observe(infos, observation.strip())
+
+    def close(self) -> None:
+        if self._env is not None:
+            _idle.append(self._env)
+            self._env = None
