@@ -9,13 +9,13 @@ so every layer above the environment (pool, datamodule, rollout, transcripts, ``
 normalized score (1 when the task is done), so a winning episode gains 1 point plus the win bonus.
 
 Each engine is a Java process (about 0.3 s to start): engines are kept after a game closes and
-reused by the next one, and shut down when Python exits.
+reused by the next one; each ends with the Python process (py4j's ``die_on_exit``).
 """
 
 from __future__ import annotations
 
-import atexit
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -26,7 +26,8 @@ JAVA_MISSING = ("TextWorldExpress runs its game engine in Java, and no `java` is
                 "runtime (11 or newer), e.g. `sudo apt-get install -y default-jre-headless` (Debian/Ubuntu), "
                 "`brew install openjdk` (macOS) or `conda install -c conda-forge openjdk`, then run again.")
 
-_idle: list = []  # started engines no game is using
+_idle: list = []  # started engines no game is using (each closes itself when garbage-collected)
+logging.getLogger("py4j").setLevel(logging.WARNING)  # py4j announces every engine's sockets at INFO
 
 
 def java_available() -> bool:
@@ -42,12 +43,6 @@ def _engine():
 
     # the step limit is textrl's (Game.max_steps); the engine's own one must never cut in first
     return TextWorldExpressEnv(envStepLimit=10**9)
-
-
-@atexit.register
-def _shutdown() -> None:
-    while _idle:
-        _idle.pop().close()
 
 
 def params_text(settings: dict) -> str:
