@@ -175,3 +175,18 @@ def test_express_games_are_the_engine_folds_and_need_java(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # a machine without Java: said at start, with the fix
     with pytest.raises(ConfigError, match=r"env.game=twx-coin: TextWorldExpress runs its game engine in Java.*apt-get install"):
         GameSpec.from_env(load_env_config("twx_coin"))
+
+
+@needs_java
+@pytest.mark.parametrize("option, shown", [("twx_simonsays", "Simon says"), ("twx_coin", "You are in the"),
+                                           ("twx_arithmetic", "math problem")])
+def test_the_opening_observation_is_shown(option, shown, tiny):
+    """What the engine says at the start is in the first prompt (Simon Says: the first order)."""
+    from textrl.games.prompt import PromptBuilder, observation_text
+
+    env, (path,) = games_of(option)
+    game = open_game(path, env)
+    obs = game.reset()
+    assert shown in observation_text(obs)
+    prompts = PromptBuilder.for_env(tiny[1], env, max_prompt_tokens=4096)
+    assert shown in tiny[1].decode(prompts.build(obs, game.history))

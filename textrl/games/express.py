@@ -112,11 +112,12 @@ class ExpressGame(Game):
     def _reset(self) -> tuple[Observation, list[str]]:
         s = self._spec
         try:
-            _, infos = self._env.reset(seed=s["seed"], gameFold=s["fold"], gameName=s["game"], gameParams=s["params"],
-                                       generateGoldPath=True)
+            observation, infos = self._env.reset(seed=s["seed"], gameFold=s["fold"], gameName=s["game"],
+                                                 gameParams=s["params"], generateGoldPath=True)
         except Exception as exc:  # py4j / engine errors: a descriptor the engine cannot play
             raise GameFileError(f"TextWorldExpress cannot start {self.game_file} ({s}): {exc}") from exc
-        return self._observe(infos, feedback=""), self._env.getGoldActionSequence()
+        # the opening observation is often more than the room (Simon Says: the first order)
+        return self._observe(infos, observation.strip()), self._env.getGoldActionSequence()
 
     def _step(self, command: str) -> Observation:
         observation, _, _, infos = self._env.step(command)
