@@ -168,6 +168,30 @@ def generalization_table(summaries: list[dict]) -> str:
     return "\n".join(lines) + "\n\nEach cell: win rate / mean steps on held-out games (a model plays greedily).\n"
 
 
+def write_result(summary: dict, episodes: list[Episode], out: Path, command: str, transcripts: int | None) -> None:
+    """``out/results.json`` and ``out/transcripts.md`` of one policy on one setting; prints the figures."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary["command"] = command
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    shown = episodes if transcripts is None else episodes[:transcripts]
+    write_transcripts(shown, out / "transcripts.md",
+                      f"{summary['policy']} on {len(episodes)} {summary['env']} games: win rate {summary['win_rate']['mean']:.2f}")
+    print(f"{summary['policy']} on {summary['env']}:")
+    for key in ("win_rate", "steps", "return"):
+        lo, hi = summary[key]["ci95"]
+        print(f"{key:>9}: {summary[key]['mean']:.3f}  (95% CI {lo:.3f} .. {hi:.3f})")
+    print(f"wrote {out / 'results.json'} and {out / 'transcripts.md'}")
+
+
+def write_table(summaries: list[dict], root: Path, command: str) -> None:
+    """``root/generalization.md`` and ``.json`` from the results played so far."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "generalization.md").write_text(generalization_table(summaries))
+    (root / "generalization.json").write_text(json.dumps(
+        {"command": command, "results": [{k: v for k, v in s.items() if k != "per_game"} for s in summaries]},
+        indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="textrl-eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,47 +219,30 @@ def main(argv: list[str] | None = None) -> int:
     sources = (["random"] if args.random else [f"model:{args.model}"] if args.model
                else [f"checkpoint:{c}" for c in args.checkpoint])
     settings = args.env or [None]
-    results: list[tuple[dict, list[Episode]]] = []
-    try:
-        files = game_files(args.games) if count is None else None
-        for source in sources:
-            loaded = load_policy(source)
-            for setting in settings:
-                results.append(evaluate(source, setting, int(count or 0), args.batch, args.seed, files=files,
-                                        max_steps=args.max_steps, loaded=loaded))
-    except (CheckpointError, ModelNotFoundError, ValueError) as exc:  # ConfigError and GameFileError too
-        raise SystemExit(f"error: {exc}") from None
     command = " ".join(["textrl-eval", *(argv if argv is not None else sys.argv[1:])])
-    single = len(results) == 1
+    single = len(sources) * len(settings) == 1
     root = Path(args.out or "eval/generalization")  # several results: one folder each under it
     names = ["random" if s == "random" else Path(s.split(":", 1)[1]).stem for s in sources]
     if len(set(names)) < len(names):  # e.g. two runs' last.ckpt
         names = [f"{k}-{n}" for k, n in enumerate(names)]
-    for summary, episodes in results:
-        source = summary["policy"]
-        name = names[sources.index(source)]
-        if single:
-            out = Path(args.out or f"eval/{name}-{summary['env']}")
-        else:
-            out = root / f"{name}-{summary['env']}"
-        out.mkdir(parents=True, exist_ok=True)
-        summary["command"] = command
-        (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
-        shown = episodes if args.transcripts is None else episodes[: args.transcripts]
-        write_transcripts(shown, out / "transcripts.md",
-                          f"{source} on {len(episodes)} {summary['env']} games: win rate {summary['win_rate']['mean']:.2f}")
-        print(f"{source} on {summary['env']}:")
-        for key in ("win_rate", "steps", "return"):
-            lo, hi = summary[key]["ci95"]
-            print(f"{key:>9}: {summary[key]['mean']:.3f}  (95% CI {lo:.3f} .. {hi:.3f})")
-        print(f"wrote {out / 'results.json'} and {out / 'transcripts.md'}")
+    summaries: list[dict] = []
+    try:
+        files = game_files(args.games) if count is None else None
+        for source, name in zip(sources, names):
+            loaded = load_policy(source)
+            for setting in settings:
+                summary, episodes = evaluate(source, setting, int(count or 0), args.batch, args.seed, files=files,
+                                             max_steps=args.max_steps, loaded=loaded)
+                # written as soon as played (and the table so far): a long evaluation keeps what it did
+                out = Path(args.out or f"eval/{name}-{summary['env']}") if single else root / f"{name}-{summary['env']}"
+                write_result(summary, episodes, out, command, args.transcripts)
+                summaries.append(summary)
+                if not single:
+                    write_table(summaries, root, command)
+    except (CheckpointError, ModelNotFoundError, ValueError) as exc:  # ConfigError and GameFileError too
+        raise SystemExit(f"error: {exc}") from None
     if not single:
-        table = generalization_table([s for s, _ in results])
-        (root / "generalization.md").write_text(table)
-        (root / "generalization.json").write_text(json.dumps(
-            {"command": command, "results": [{k: v for k, v in s.items() if k != "per_game"} for s, _ in results]},
-            indent=2) + "\n")
-        print(table + f"wrote {root / 'generalization.md'} and {root / 'generalization.json'}")
+        print(generalization_table(summaries) + f"wrote {root / 'generalization.md'} and {root / 'generalization.json'}")
     return 0
 
 
