@@ -23,6 +23,7 @@ import argparse
 import csv
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,7 +126,9 @@ def main(argv=None):
             run_dir = (ROOT / args.runs / args.tag / name / f"seed{seed}").resolve()
             overrides = [*CONFIGS[name], *args.overrides, f"seed={seed}"]
             cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
-            run_dir.mkdir(parents=True, exist_ok=True)
+            if run_dir.exists():  # a seed run again replaces its run (its logs would otherwise mix in)
+                shutil.rmtree(run_dir)
+            run_dir.mkdir(parents=True)
             start = time.perf_counter()
             with open(run_dir / "train.log", "w") as log:
                 subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
