@@ -59,6 +59,22 @@ def test_report_on_a_single_run(sweep, tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
+def test_runs_that_differ_only_in_threads_are_one_group(sweep, tmp_path):
+    """threads=N changes speed, not learning (bench/learn.py runs seeds side by side at threads=1)."""
+    import shutil
+
+    import yaml
+
+    runs = sorted(sweep.glob("*_seed*"))
+    for k, run in enumerate(runs):
+        shutil.copytree(run, tmp_path / "runs" / run.name)
+    second = tmp_path / "runs" / runs[1].name / ".hydra" / "overrides.yaml"
+    second.write_text(yaml.safe_dump(yaml.safe_load(second.read_text()) + ["threads=1"]))
+    assert main([str(tmp_path / "runs"), "--out", str(tmp_path / "report")]) == 0
+    (row,) = json.loads((tmp_path / "report" / "report.json").read_text())["groups"].values()
+    assert sorted(row["seeds"]) == ["1", "2"]
+
+
 def test_report_on_a_directory_without_runs_says_what_it_expected(tmp_path):
     with pytest.raises(SystemExit, match="no runs under .*logs/metrics.csv"):
         main([str(tmp_path)])

@@ -5,7 +5,7 @@
     textrl-report outputs/2026-11-22/09-12-44                # a single run
 
 A run is a directory with ``logs/metrics.csv`` (logger=csv) or TensorBoard event files in ``logs/``
-(logger=tensorboard); no W&B account is needed. Runs are grouped by their Hydra overrides without ``seed=...``: the seeds of one
+(logger=tensorboard); no W&B account is needed. Runs are grouped by their Hydra overrides without ``seed=...`` and ``threads=...``: the seeds of one
 setting form one row of the table and one line (mean) with a band (± one standard deviation) in
 the plots. Writes ``report.md``, ``report.json`` and ``curves.png`` to ``--out`` (default
 ``<first dir>/report``).
@@ -105,7 +105,8 @@ def read_run(path: Path) -> Run:
     seed = next((o.split("=", 1)[1] for o in overrides if o.startswith("seed=")), None)
     if seed is None and (path / ".hydra" / "config.yaml").is_file():
         seed = str(yaml.safe_load((path / ".hydra" / "config.yaml").read_text()).get("seed"))
-    group = " ".join(o for o in overrides if not o.startswith("seed=")) or "defaults"
+    # threads=N changes how fast a run goes, not what it learns: runs that differ only there are one group
+    group = " ".join(o for o in overrides if not o.startswith(("seed=", "threads="))) or "defaults"
     csv_file = path / "logs" / "metrics.csv"
     curves = read_csv(csv_file) if csv_file.is_file() else read_tensorboard(path / "logs")
     missing = [m for m in EVAL if not curves.get(m)]
