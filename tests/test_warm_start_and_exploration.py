@@ -128,9 +128,9 @@ def test_no_evaluation_game_is_played_in_warm_start_or_training(tmp_path, monkey
         opened.append(str(game))
         return real_open(game, env)
 
-    def play(self, games, temperature=1.0, seeds=None):
+    def play(self, games, temperature=1.0, seeds=None, env=None):
         (greedy if seeds is None else sampled).extend(str(g) for g in games)
-        return real_play(self, games, temperature, seeds)
+        return real_play(self, games, temperature, seeds, env)
 
     monkeypatch.setattr(ws, "open_game", open_game)
     monkeypatch.setattr(PPOModule, "play", play)
