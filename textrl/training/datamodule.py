@@ -94,6 +94,12 @@ class RolloutDataModule(L.LightningDataModule):
         rank, world = self._rank_world
         return [g for g in games[rank::world] for _ in range(e.group_size)]
 
+    @property
+    def stage_win_rate(self) -> float | None:
+        """The mean of the stage's last ``curriculum.window`` training win rates (None right after a move)."""
+        recent = self.stage_win_rates[-self.cfg.curriculum.window:]
+        return sum(recent) / len(recent) if recent else None
+
     def record(self, win_rate: float, lost: list[str]) -> bool:
         """An iteration's training win rate (over all ranks) and this rank's lost games; moves to the
         next curriculum stage when the stage's last ``curriculum.window`` win rates average at least
@@ -104,8 +110,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.stage_win_rates.append(win_rate)
         self.lost = [g for g in self.lost if g not in set(lost)] + lost
         del self.lost[: max(0, len(self.lost) - c.replay_size)]
-        recent = self.stage_win_rates[-c.window:]
-        if self.stage + 1 < len(c.stages) and len(recent) == c.window and sum(recent) / c.window >= c.threshold:
+        full = len(self.stage_win_rates) >= c.window
+        if self.stage + 1 < len(c.stages) and full and self.stage_win_rate >= c.threshold:
             self.stage += 1
             self.stage_win_rates, self.lost = [], []
             self.train_games = self._train_pool(self.train_env)

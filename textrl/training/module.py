@@ -182,9 +182,8 @@ class PPOModule(L.LightningModule):
         if cfg.curriculum.stages:
             metrics["curriculum/stage"] = float(stage)  # the stage this iteration played
             metrics["curriculum/replayed"] = float(data.replayed)  # its games that were recently lost ones
-            if data.stage_win_rates:  # what the next move is decided on (empty right after a move)
-                metrics["curriculum/stage_win_rate"] = sum(data.stage_win_rates[-cfg.curriculum.window:]) / min(
-                    len(data.stage_win_rates), cfg.curriculum.window)
+            if data.stage_win_rate is not None:  # what the next move is decided on (none right after a move)
+                metrics["curriculum/stage_win_rate"] = data.stage_win_rate
         self.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=True)  # means over ranks
         self.log("rollout/episodes", float(len(episodes)), on_step=True, on_epoch=False, sync_dist=True,
                  reduce_fx="sum")
