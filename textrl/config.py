@@ -58,9 +58,10 @@ class EnvConfig:
     name: str = "easy"  # names the setting in logs, evaluation folders and the generalization table
     # which games: ``textworld`` generates them from rooms/objects/quest_length/theme (the presets
     # easy|medium|hard and env=custom); ``tw-simple``, ``tw-coin_collector``, ``tw-treasure_hunter``,
-    # ``tw-cooking`` are TextWorld's challenge families, configured by ``settings``
+    # ``tw-cooking`` are TextWorld's challenge families and ``twx-<game>`` TextWorldExpress's games,
+    # both configured by ``settings``
     game: str = "textworld"
-    rooms: Optional[int] = 2  # game=textworld only (null for the challenge families)
+    rooms: Optional[int] = 2  # game=textworld only (null for the other families)
     objects: Optional[int] = 4
     quest_length: Optional[int] = 1
     theme: Optional[str] = "house"
