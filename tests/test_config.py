@@ -14,7 +14,7 @@ from textrl.config import CONF_DIR, ConfigError, TrainConfig, to_train_config
 from textrl.games.express import java_available
 
 CUDA_ONLY = {"fp16", "lowmem", "qlora"}
-GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment", "curriculum"]
+GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment", "curriculum", "sweep"]
 
 
 def compose_train(overrides=()):
@@ -65,6 +65,10 @@ def test_every_option_of_every_group_composes(group):
         if group == "memory" and option in CUDA_ONLY and not torch.cuda.is_available():
             # On a CPU machine these must refuse at start, pointing at the CPU alternative.
             with pytest.raises(ConfigError, match="needs a CUDA GPU and none is available; on a CPU use memory="):
+                compose_train([f"{group}={option}"])
+            continue
+        if group == "sweep" and option == "gpus" and not torch.cuda.is_available():
+            with pytest.raises(ConfigError, match="trainer.accelerator='gpu' is not allowed: needs a CUDA GPU"):
                 compose_train([f"{group}={option}"])
             continue
         if group == "env" and option.startswith("twx_") and not java_available():

@@ -1,9 +1,12 @@
-"""textrl-report on a real Hydra sweep that the test runs itself (2 seeds x 2 iterations, tiny model)."""
+"""textrl-report on a real Hydra sweep that the test runs itself (2 seeds x 2 iterations, tiny model),
+its two jobs side by side on this machine's cores (sweep=cpu: Hydra's joblib launcher)."""
 
 import csv
 import json
+import re
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
-    cmd = [sys.executable, "train.py", "-m", "seed=1,2", "iterations=2", "eval.every=1", *SMALL,
+    cmd = [sys.executable, "train.py", "-m", "sweep=cpu", "seed=1,2", "iterations=2", "eval.every=1", *SMALL,
            f"hydra.sweep.dir={out}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -27,6 +30,24 @@ def sweep(tmp_path_factory):
 def final_eval(run: Path, metric: str) -> float:
     with open(run / "logs" / "metrics.csv") as f:
         return [float(r[metric]) for r in csv.DictReader(f) if r.get(metric)][-1]
+
+
+def test_sweep_cpu_runs_the_jobs_side_by_side_each_on_its_own_core(sweep):
+    runs = sorted(sweep.glob("*_seed*"))
+    assert len(runs) == 2
+    spans, slots = [], []
+    for run in runs:
+        log = (run / "train.log").read_text()
+        claimed = re.search(r"trainer.share_machine: cores \[(\d+)\] \(slot (\d) of (\d+)\)", log)
+        assert claimed, log[-2000:]
+        slots.append(int(claimed.group(2)))
+        times = [datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f") for t in re.findall(r"^\[([\d\- :,]+)\]", log, re.M)]
+        spans.append((min(times), max(times)))
+        assert (run / "checkpoints" / "last.ckpt").is_file()
+    if int(claimed.group(3)) >= 2:  # a machine with 2+ cores: two jobs at once, on different cores
+        assert sorted(slots) == [0, 1]
+        (a0, a1), (b0, b1) = spans
+        assert a0 < b1 and b0 < a1, spans  # each started before the other ended
 
 
 def test_report_on_a_sweep_writes_table_json_and_png(sweep, tmp_path, capsys):

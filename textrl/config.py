@@ -169,6 +169,9 @@ class TrainerConfig:
     devices: Any = 1
     strategy: str = "auto"
     num_nodes: int = 1
+    # jobs of a multirun side by side on this machine (conf/sweep/cpu.yaml, gpus.yaml): each job takes
+    # a free GPU, or `threads` cores, for as long as it runs (textrl/training/slots.py)
+    share_machine: bool = False
 
 
 @dataclass
@@ -230,6 +233,15 @@ class TrainConfig:
 def register_configs() -> None:
     """``train_schema`` types the whole tree: group files merge into typed nodes, so unknown keys fail."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    # conf/sweep/gpus.yaml: one job per GPU torch sees (at least 1, so that a mistaken use on a
+    # machine without GPUs fails at the job's accelerator check, not in joblib)
+    OmegaConf.register_new_resolver("textrl_cuda_devices", _cuda_devices, replace=True)
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
 
 
 def _check(key: str, value, ok: bool, allowed: str) -> None:
@@ -278,6 +290,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ["games", "batch"]:
         _check(f"warm_start.{key}", getattr(w, key), getattr(w, key) >= 1, "an integer >= 1")
     _check("warm_start.lr", w.lr, math.isfinite(w.lr) and w.lr > 0, "a number > 0")
+    t = cfg.trainer
+    _check("trainer.share_machine", t.share_machine, not t.share_machine or (t.devices == 1 and t.num_nodes == 1),
+           f"true only with trainer.devices=1 and num_nodes=1 (each job takes one device; got devices={t.devices})")
     _check("threads", cfg.threads, cfg.threads is None or cfg.threads >= 1, "null or an integer >= 1")
     for key in ["every", "games", "batch"]:
         _check(f"eval.{key}", getattr(cfg.eval, key), getattr(cfg.eval, key) >= 1, "an integer >= 1")
@@ -318,6 +333,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     ]:
         _check(f"memory.{key}", getattr(m, key), not needs or cuda,
                f"needs a CUDA GPU and none is available; on a CPU use {cpu_choice}")
+    _check("trainer.accelerator", cfg.trainer.accelerator, cfg.trainer.accelerator not in {"gpu", "cuda"} or cuda,
+           "needs a CUDA GPU and none is available; on a CPU use trainer=cpu (or -m sweep=cpu for a sweep)")
     return cfg
 
 

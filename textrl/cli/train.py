@@ -22,6 +22,7 @@ from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.datamodule import RolloutDataModule
 from textrl.training.loggers import WandbIdCallback, make_logger
 from textrl.training.module import PPOModule
+from textrl.training.slots import machine_slot
 from textrl.training.warm_start import warm_start
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,11 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
     ``callbacks`` are added to the Trainer's (tests use one to stop a run part-way).
     """
     cfg = validate(cfg) if isinstance(cfg, TrainConfig) else to_train_config(cfg)
+    with machine_slot(cfg):  # a GPU or a group of cores of its own, when jobs share the machine
+        return _train(cfg, callbacks)
+
+
+def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
     resume_state, resume_iteration = None, None
     run_dir = Path(cfg.output_dir)
     if cfg.ckpt_path:
