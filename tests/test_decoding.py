@@ -202,3 +202,28 @@ def test_gpt2_and_qwen_architectures_decode_exactly(name, layers, easy_games):
                            seeds=[0, 1, 2])
     assert all(s.action.command in s.observation.admissible_commands for e in episodes for s in e.steps)
     assert assert_matches_fresh_forward(policy, episodes, 1.0) == stats.decisions > 0
+
+
+def test_the_decode_profile_counts_every_real_token_fed_and_the_games_time(tiny, prompts, easy_games):
+    """perf/rollout_tokens and the phase seconds: what the decoder fed, split into prompt and fork calls."""
+    policy, tokenizer = tiny
+    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    envs = [TextGame(p, 3) for p in easy_games[:4]]
+    for env in envs:
+        env.reset()
+    obs = [env.observation for env in envs]
+    prompt_ids = [prompts.build(o, env.history) for o, env in zip(obs, envs)]
+    tries = [trie_for(o, prompts) for o in obs]
+    rngs = [torch.Generator().manual_seed(i) for i in range(4)]
+    actions = decoder.act(list(range(4)), prompt_ids, tries, rngs=rngs)
+    p = decoder.profile
+    # a fresh cache: everything fed is in decoder.fed; the prompts are fed first, in one call
+    assert p.tokens == sum(len(f) for f in decoder.fed)
+    assert p.prefill_tokens >= sum(len(x) for x in prompt_ids) and p.fork_tokens == p.tokens - p.prefill_tokens
+    forks = max(len(a.decisions) for a in actions)  # one call per fork level after the first, fed or not
+    assert 1 <= p.calls <= forks and p.padded_tokens >= p.tokens
+    assert p.prefill_s > 0 and (p.fork_s > 0) == (p.calls > 1) and p.choose_s > 0
+
+    episodes, stats = play([TextGame(g, 3) for g in easy_games[:4]], decoder, prompts, seeds=[1, 2, 3, 4])
+    assert stats.decode is decoder.profile and stats.decode.tokens > 0
+    assert 0 < stats.env_s and stats.env_s + stats.decode.model_s < stats.seconds

@@ -20,7 +20,7 @@ import torch
 from textrl.games.env import Game, Observation
 from textrl.games.pool import game_name
 from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import Action, Decision
+from textrl.policy.decoding import Action, Decision, DecodeProfile
 from textrl.policy.trie import CommandTrie
 
 
@@ -61,6 +61,8 @@ class RolloutStats:
     seconds: float
     decisions: int
     turns: int
+    env_s: float = 0.0  # resetting and stepping the games
+    decode: DecodeProfile | None = None  # the decoder's share (model calls, drawing); None for the random policy
 
     @property
     def decisions_per_s(self) -> float:
@@ -109,7 +111,9 @@ def play(envs: list[Game], decoder, prompts: PromptBuilder, temperature: float =
     def value(rows: list[int], obs: list[Observation]) -> list[float]:
         return decoder.values(rows, *state(rows, obs))
 
-    return run_episodes(envs, act, value if bootstrap else None)
+    episodes, stats = run_episodes(envs, act, value if bootstrap else None)
+    stats.decode = getattr(decoder, "profile", None)
+    return episodes, stats
 
 
 def play_uniform(envs: list[Game], seed: int = 0) -> tuple[list[Episode], RolloutStats]:
@@ -141,13 +145,16 @@ def run_episodes(envs: list[Game], act, value=None) -> tuple[list[Episode], Roll
     episodes = [Episode(game=str(env.game_file)) for env in envs]
     for env in envs:
         env.reset()
+    env_s = time.perf_counter() - start
     live = list(range(len(envs)))
     decisions = turns = 0
     while live:
         obs = [envs[i].observation for i in live]
         still = []
         for i, o, (p, a) in zip(live, obs, act(live, obs)):
+            stepped = time.perf_counter()
             result = envs[i].step(a.command)
+            env_s += time.perf_counter() - stepped
             episodes[i].steps.append(Step(o, p, a, result.reward, result.terminated, result.truncated,
                                           result.observation.feedback))
             episodes[i].won = result.observation.won
@@ -160,7 +167,7 @@ def run_episodes(envs: list[Game], act, value=None) -> tuple[list[Episode], Roll
     if value is not None and cut:
         for i, v in zip(cut, value(cut, [envs[i].observation for i in cut])):
             episodes[i].bootstrap_value = v
-    return episodes, RolloutStats(time.perf_counter() - start, decisions, turns)
+    return episodes, RolloutStats(time.perf_counter() - start, decisions, turns, env_s)
 
 
 def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:

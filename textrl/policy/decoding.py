@@ -32,6 +32,7 @@ but the cache's length, which otherwise grows with every turn and every restart.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,29 @@ def mix_uniform(logp: torch.Tensor, allowed: torch.Tensor, explore: float) -> to
     return mixed.masked_fill(~allowed, float("-inf"))
 
 
+@dataclass
+class DecodeProfile:
+    """Where a rollout's decoding time goes (``perf/rollout_*`` metrics, ``bench/iteration.py``).
+    Host wall time: on CUDA a call's kernels may still run when the next phase starts (``choose``
+    synchronises with its ``.cpu()``), so there the split between phases is approximate."""
+
+    prefill_s: float = 0.0  # model calls feeding prompts: the new observation and the forced tokens up to the first fork
+    prefill_tokens: int = 0  # real tokens those calls fed (padding left out)
+    fork_s: float = 0.0  # model calls feeding the token chosen at a fork and the forced chain after it
+    fork_tokens: int = 0
+    calls: int = 0  # model calls of both kinds
+    padded_tokens: int = 0  # positions those calls computed, padding included
+    choose_s: float = 0.0  # reading the allowed children's logits and drawing
+
+    @property
+    def model_s(self) -> float:
+        return self.prefill_s + self.fork_s + self.choose_s
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.fork_tokens
+
+
 class ConstrainedDecoder:
     """Decodes admissible commands for a batch of environment slots, keeping their KV cache between turns.
 
@@ -99,6 +123,18 @@ class ConstrainedDecoder:
         self.mask: torch.Tensor | None = None  # [rows, cached positions]; 0 marks padding / dropped tokens
         self.slots: list = []
         self.fed: list[list[int]] = []  # real tokens already in each row's cache
+        self.profile = DecodeProfile()  # a new one: play() hands the finished one to its caller
+
+    def _hidden(self, ids, mask, positions, cache, new_mask, phase: str):
+        """The model call, timed and counted under ``phase`` ("prefill" or "fork")."""
+        start = time.perf_counter()
+        out = self.policy.hidden(ids, mask, positions, cache)
+        p = self.profile
+        setattr(p, f"{phase}_s", getattr(p, f"{phase}_s") + time.perf_counter() - start)
+        setattr(p, f"{phase}_tokens", getattr(p, f"{phase}_tokens") + int(new_mask.sum()))
+        p.calls += 1
+        p.padded_tokens += ids.numel()
+        return out
 
     @property
     def device(self) -> torch.device:
@@ -132,20 +168,20 @@ class ConstrainedDecoder:
         device = self.device
         return ids.to(device), mask.to(device), positions.to(device)
 
-    def _feed(self, chunks: list[list[int]]) -> torch.Tensor:
+    def _feed(self, chunks: list[list[int]], phase: str) -> torch.Tensor:
         """Append each row's tokens (left-padded into one chunk); return the hidden state at the chunk end."""
         ids, new_mask, positions = self._chunk(chunks, [len(f) for f in self.fed])
         for fed, chunk in zip(self.fed, chunks):
             fed.extend(chunk)
         self.mask = torch.cat([self.mask, new_mask], dim=1)
-        hidden, self.cache = self.policy.hidden(ids, self.mask, positions, self.cache)
+        hidden, self.cache = self._hidden(ids, self.mask, positions, self.cache, new_mask, phase)
         return hidden[:, -1]
 
     def _restart(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
         """Feed ``rows`` from scratch with a cache of their own, splice it into the batch's cache in
         place of their old positions; return their hidden states at the chunk end."""
         ids, new_mask, positions = self._chunk(chunks, [0] * len(chunks))
-        hidden, fresh = self.policy.hidden(ids, new_mask, positions, self.policy.new_cache())
+        hidden, fresh = self._hidden(ids, new_mask, positions, self.policy.new_cache(), new_mask, "prefill")
         index = torch.tensor(rows, device=self.device)
         width = ids.shape[1]
         for layer, new in zip(self.cache.layers, fresh.layers):
@@ -192,7 +228,7 @@ class ConstrainedDecoder:
         self._compact()
         pending = [p[len(f):] + c.new if ok else [] for p, f, c, ok in zip(prompts, self.fed, cursors, extends)]
         if any(pending):
-            hidden = self._feed(pending)
+            hidden = self._feed(pending, "prefill")
         if rows:
             hidden = restarted.new_zeros(len(cursors), restarted.shape[-1]) if hidden is None else hidden
             hidden[rows] = restarted
@@ -213,12 +249,14 @@ class ConstrainedDecoder:
             live = [r for r, c in enumerate(cursors) if not c.done]
             if not live:
                 break
+            start = time.perf_counter()
             choose(self.policy, hidden[live], [cursors[r] for r in live], temperature, greedy,
                    None if greedy else [rngs[r] for r in live], 0.0 if greedy else explore)
+            self.profile.choose_s += time.perf_counter() - start
             chunks = [c.new if not c.done else [] for c in cursors]
             if not any(chunks):
                 break
-            hidden = self._feed(chunks)
+            hidden = self._feed(chunks, "fork")
         return [c.action(temperature) for c in cursors]
 
     @torch.no_grad()

@@ -152,6 +152,7 @@ class PPOModule(L.LightningModule):
         old_values = torch.tensor([v for s in sequences for v in s.old_values])
         returns = torch.tensor([r for s in sequences for r in s.returns])
         n, n_steps = max(sums["decisions"], 1.0), max(sums["steps"], 1.0)
+        decode = stats.decode
         metrics = {
             **episode_metrics(episodes, "rollout"),
             "rollout/temperature": temperature,
@@ -167,6 +168,13 @@ class PPOModule(L.LightningModule):
             "optim/lr_lm": lr_lm, "optim/lr_value": lr_value,
             "optim/grad_norm": sums["grad_norm"] / n_steps, "optim/grad_norm_value": sums["grad_norm_value"] / n_steps,
             "perf/rollout_s": rollout_s, "perf/update_s": update_s, "perf/tokens_per_s": tokens / max(update_s, 1e-9),
+            "perf/update_tokens": float(tokens),
+            # where the rollout's time goes: the games, the model calls (prompts / fork levels), the
+            # draws; the rest of perf/rollout_s is Python (prompts, tries, bookkeeping)
+            "perf/rollout_env_s": stats.env_s, "perf/rollout_prefill_s": decode.prefill_s,
+            "perf/rollout_fork_s": decode.fork_s, "perf/rollout_choose_s": decode.choose_s,
+            "perf/rollout_tokens": float(decode.tokens),
+            "perf/rollout_tokens_per_s": decode.tokens / max(decode.prefill_s + decode.fork_s, 1e-9),
             "perf/peak_mem_gb": peak_memory_gb(self.device), "iteration": float(iteration + 1),
         }
         if self.uses_value:
