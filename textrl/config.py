@@ -85,6 +85,10 @@ class EnvConfig:
     list_commands: bool = False  # show admissible commands in the prompt (the seed does not)
     goal_last: bool = False  # repeat the objective at the end of every observation (the seed: system message only)
     workers: int = 2  # game-generation processes
+    # processes that hold and step the games of a rollout, side by side (textrl/games/workers.py);
+    # 0: the games step one after the other in the training process. Worth it where stepping is a
+    # large share of the rollout (many envs, a fast GPU): see perf/rollout_env_s
+    step_workers: int = 0
 
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
         """These games, shown the way a policy trained on ``policy_env`` saw its own: its prompt
@@ -257,6 +261,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     GameSpec.from_env(e)  # the game family and its settings (raises ConfigError naming the key)
     for key in ["num_envs", "group_size", "pool_size", "history_len", "workers", "max_steps"]:
         _check(f"env.{key}", getattr(e, key), getattr(e, key) >= 1, "an integer >= 1")
+    _check("env.step_workers", e.step_workers, e.step_workers >= 0, "an integer >= 0 (0: no worker processes)")
     _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= 128, "an integer >= 128")
     _check("env.group_size", e.group_size, e.num_envs % e.group_size == 0,
            f"a divisor of env.num_envs ({e.num_envs}): each game is played group_size times")

@@ -19,6 +19,7 @@ import torch
 
 from textrl.games.env import Game, Observation
 from textrl.games.pool import game_name
+from textrl.games.workers import reset_games, step_games
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import Action, Decision, DecodeProfile
 from textrl.policy.trie import CommandTrie
@@ -143,18 +144,18 @@ def run_episodes(envs: list[Game], act, value=None) -> tuple[list[Episode], Roll
     At the end ``value(rows, observations)``, if given, values the states truncated episodes stop in."""
     start = time.perf_counter()
     episodes = [Episode(game=str(env.game_file)) for env in envs]
-    for env in envs:
-        env.reset()
+    reset_games(envs)
     env_s = time.perf_counter() - start
     live = list(range(len(envs)))
     decisions = turns = 0
     while live:
         obs = [envs[i].observation for i in live]
         still = []
-        for i, o, (p, a) in zip(live, obs, act(live, obs)):
-            stepped = time.perf_counter()
-            result = envs[i].step(a.command)
-            env_s += time.perf_counter() - stepped
+        chosen = act(live, obs)
+        stepped = time.perf_counter()  # every game steps (on workers: side by side) before any is read
+        results = step_games([envs[i] for i in live], [a.command for _, a in chosen])
+        env_s += time.perf_counter() - stepped
+        for i, o, (p, a), result in zip(live, obs, chosen, results):
             episodes[i].steps.append(Step(o, p, a, result.reward, result.terminated, result.truncated,
                                           result.observation.feedback))
             episodes[i].won = result.observation.won

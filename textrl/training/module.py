@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 
 from textrl.config import EnvConfig, PPOConfig, TrainConfig
 from textrl.games.env import open_game
+from textrl.games.workers import GameWorkers
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
 from textrl.policy.memory import make_optimizer
@@ -77,6 +78,7 @@ class PPOModule(L.LightningModule):
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder.for_env(tokenizer, cfg.env)
         self.decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+        self.game_workers: GameWorkers | None = None  # env.step_workers processes, started at the first rollout
         self._eval_episodes: list[list[Episode]] = [[], []]
         self._eval_start = 0.0
         self.iterations_done = 0  # completed PPO iterations (saved in checkpoints)
@@ -203,7 +205,9 @@ class PPOModule(L.LightningModule):
         """Sampled training episodes (with ``seeds``) or greedy evaluation episodes (without), of
         ``env``'s games (default: ``cfg.env``; a curriculum stage's otherwise)."""
         env = env or self.cfg.env
-        envs = [open_game(g, env) for g in games]
+        if self.cfg.env.step_workers and self.game_workers is None:  # started once, at the first rollout
+            self.game_workers = GameWorkers(self.cfg.env.step_workers)
+        envs = self.game_workers.open(games, env) if self.game_workers else [open_game(g, env) for g in games]
         prompts = self.prompts if env is self.cfg.env else PromptBuilder.for_env(self.tokenizer, env)
         # the same autocast as the update (bf16-mixed etc.), so rollout and update compute one function
         precision = self._trainer.precision_plugin.forward_context() if self._trainer else contextlib.nullcontext()
@@ -219,6 +223,11 @@ class PPOModule(L.LightningModule):
             for env in envs:
                 env.close()
             self.decoder.reset()  # free the KV cache between rollouts
+
+    def teardown(self, stage: str) -> None:
+        if self.game_workers is not None:  # after fit / validate: the worker processes end with them
+            self.game_workers.close()
+            self.game_workers = None
 
     def _forward(self, batch: list[Sequence]):
         return decision_forward(self.policy, batch, self.tokenizer.pad_token_id, self.frozen)

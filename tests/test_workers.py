@@ -1,0 +1,80 @@
+"""env.step_workers: games held and stepped by worker processes play exactly as in the training process."""
+
+import multiprocessing as mp
+
+import lightning as L
+import pytest
+import torch
+
+from tests.test_training import config, read_metrics
+from textrl.cli.train import train
+from textrl.config import load_env_config
+from textrl.games.env import InvalidCommandError, open_game
+from textrl.games.workers import GameWorkers, step_games
+from textrl.policy.decoding import ConstrainedDecoder
+from textrl.rollout import episode_seeds, play
+
+
+@pytest.fixture(scope="module")
+def workers():
+    w = GameWorkers(2)
+    yield w
+    w.close()
+
+
+def steps_of(episodes):
+    return [[(s.action.command, s.reward, s.terminated, s.truncated, s.feedback, s.prompt_ids,
+              [d.logprob for d in s.action.decisions]) for s in e.steps] + [e.won] for e in episodes]
+
+
+def test_a_rollout_on_workers_is_the_rollout_in_process(tiny, prompts, easy_games, workers):
+    policy, tokenizer = tiny
+    env = load_env_config("easy")
+    games = easy_games[:6]
+    seeds = episode_seeds(1, 0, games)
+    runs = []
+    for envs in ([open_game(g, env) for g in games], workers.open(games, env)):
+        decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+        with torch.no_grad():
+            episodes, stats = play(envs, decoder, prompts, seeds=seeds)
+        runs.append(steps_of(episodes))
+        assert [e.game for e in episodes] == [str(g) for g in games]
+        for g in envs:
+            g.close()
+    assert runs[0] == runs[1]
+    assert sum(len(e) - 1 for e in runs[0]) > len(games)  # several turns: histories and prompts grew
+
+
+def test_workers_hold_their_share_of_the_games_and_refuse_bad_commands(easy_games, workers):
+    env = load_env_config("easy")
+    games = workers.open(easy_games[:3], env)
+    assert [g.worker for g in games] == [0, 1, 0]
+    for g in games:
+        g.reset()
+    assert all(g.observation.admissible_commands for g in games)
+    with pytest.raises(InvalidCommandError, match="is not admissible here"):
+        step_games(games, ["dance wildly"] * 3)
+    local = open_game(easy_games[0], env)
+    local.reset()
+    command = local.observation.admissible_commands[0]
+    assert games[0].step(command) == local.step(command) and games[0].history == local.history
+    for g in games:
+        g.close()
+
+
+class SeeWorkers(L.Callback):
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.processes = [m._process for m in pl_module.game_workers.managers]
+        self.alive = [p.is_alive() for p in self.processes]
+
+
+def test_training_with_step_workers_runs_and_ends_its_workers(tmp_path):
+    before = set(mp.active_children())
+    seen = SeeWorkers()
+    result = train(config(tmp_path, "iterations=1", "env.step_workers=2"), callbacks=[seen])
+    assert seen.alive == [True, True]  # the rollout ran on the two workers
+    assert not any(p.is_alive() for p in seen.processes)
+    assert result["module"].game_workers is None
+    assert set(mp.active_children()) <= before  # the run's worker processes have ended
+    rows = read_metrics(tmp_path)
+    assert any(r.get("perf/rollout_env_s") for r in rows) and any(r.get("eval/win_rate") for r in rows)
