@@ -31,6 +31,7 @@ def test_defaults_are_easy_smollm2_csv():
     cfg = compose_train()
     assert isinstance(cfg, TrainConfig)
     assert (cfg.env.name, cfg.model.name, cfg.logger.name, cfg.memory.name) == ("easy", "smollm2", "csv", "auto")
+    assert cfg.env.goal_last and not cfg.env.list_commands  # the prompt the easy ablation chose
 
 
 def test_the_dataclass_defaults_are_the_defaults_of_train_py():
