@@ -95,3 +95,18 @@ def make_logger(cfg: TrainConfig, run_dir: Path, resume_state: dict | None, resu
                        tags=[f"seed={cfg.seed}"], name=f"{cfg.experiment or 'run'}-seed{cfg.seed}",
                        id=run_id, resume="allow" if run_id else None, offline=offline,
                        config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+
+
+def log_transcripts(logger, rows: list[list], markdown: str, iteration: int) -> None:
+    """An evaluation's transcripts where its curves are: a W&B Table (one row per step, columns
+    ``textrl.transcripts.COLUMNS``; each evaluation is a new version of the ``eval/transcripts``
+    table) or TensorBoard text (the Markdown, under the iteration). The csv logger has the Markdown
+    files in ``transcripts/`` only."""
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+    from textrl.transcripts import COLUMNS
+
+    if isinstance(logger, WandbLogger):
+        logger.log_table("eval/transcripts", columns=COLUMNS, data=rows)
+    elif isinstance(logger, TensorBoardLogger):
+        logger.experiment.add_text("eval/transcripts", markdown, global_step=iteration)

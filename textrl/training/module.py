@@ -45,7 +45,8 @@ from textrl.ppo.buffer import Sequence, add_advantages, decision_forward, episod
 from textrl.ppo.losses import PPOTerms, correlation, explained_variance, ppo_loss
 from textrl.rollout import Episode, RolloutStats, episode_metrics, episode_seeds, play
 from textrl.training.datamodule import iteration_rng
-from textrl.transcripts import write_transcripts
+from textrl.training.loggers import log_transcripts
+from textrl.transcripts import transcript_rows, write_transcripts
 
 log = logging.getLogger(__name__)
 
@@ -364,10 +365,13 @@ class PPOModule(L.LightningModule):
         self.log_dict(metrics, on_epoch=True, sync_dist=True)
         self.log("eval/games", float(len(episodes)), on_epoch=True, sync_dist=True, reduce_fx="sum")
         if self.cfg.eval.transcripts and self.trainer.is_global_zero:
+            shown = episodes[: self.cfg.eval.transcripts]
+            with self._trainer.precision_plugin.forward_context():  # the alternatives: one forward per step
+                rows = transcript_rows(shown, self.policy, self.prompts)
             path = Path(self.cfg.output_dir) / "transcripts" / f"iter_{iteration:04d}.md"
-            write_transcripts(episodes[: self.cfg.eval.transcripts], path,
-                              f"Greedy evaluation after iteration {iteration}: win rate "
-                              f"{metrics['eval/win_rate']:.2f} on {len(episodes)} games")
+            text = write_transcripts(shown, path, f"Greedy evaluation after iteration {iteration}: win rate "
+                                     f"{metrics['eval/win_rate']:.2f} on {len(episodes)} games", rows)
+            log_transcripts(self.logger, rows, text, iteration)
 
     # ---- checkpoint state beyond weights/optimizer/scheduler ----------------------------------
     def on_save_checkpoint(self, checkpoint):
