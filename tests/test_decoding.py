@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from textrl.games.env import TextGame
-from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs, score_commands
+from textrl.policy.decoding import ConstrainedDecoder, PromptCache, masked_logprobs, score_commands
 from textrl.policy.trie import CommandTrie
 from textrl.rollout import play
 
@@ -184,6 +184,27 @@ def test_greedy_takes_the_most_likely_token_and_scores_sum_to_one(tiny, prompts,
     assert set(probs) == set(obs.admissible_commands)
     assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
     assert probs[action.command] == pytest.approx(float(torch.tensor(action.logprob).exp()), abs=1e-5)
+
+
+def test_scoring_the_steps_of_an_episode_with_a_kept_prompt_cache_equals_scoring_each_afresh(tiny, prompts, easy_games):
+    policy, _ = tiny
+    env = TextGame(easy_games[2], 8)
+    obs, keep = env.reset(), PromptCache()
+    fed = []
+    hidden = policy.hidden
+    for step in range(4):
+        prompt, trie = prompts.build(obs, env.history), trie_for(obs, prompts)
+        policy.hidden = lambda ids, *args: fed.append(ids.shape[1]) or hidden(ids, *args)
+        try:
+            kept = score_commands(policy, prompt, trie, keep)
+        finally:
+            del policy.hidden
+        assert keep.ids == prompt
+        assert fed[-2] == (len(prompt) if step == 0 else len(prompt) - len(previous))  # only the new tokens
+        previous = prompt
+        fresh = score_commands(policy, prompt, trie)
+        assert kept.keys() == fresh.keys() and all(kept[c] == pytest.approx(fresh[c], abs=1e-5) for c in fresh)
+        obs = env.step(max(fresh, key=fresh.get)).observation
 
 
 @pytest.mark.parametrize("name, layers", [("gpt2", {"n_layer": 2}), ("qwen", {"num_hidden_layers": 2})])

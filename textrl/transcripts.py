@@ -9,7 +9,7 @@ from pathlib import Path
 
 from textrl.games.pool import game_name
 from textrl.games.prompt import PromptBuilder, observation_text
-from textrl.policy.decoding import score_commands
+from textrl.policy.decoding import PromptCache, score_commands
 from textrl.policy.trie import CommandTrie
 from textrl.rollout import Episode
 
@@ -21,14 +21,16 @@ def transcript_rows(episodes: list[Episode], policy=None, prompts: PromptBuilder
     """One row per step (``COLUMNS``). ``p`` is the probability the policy gave the command it
     played; ``alternatives`` the ``top`` most probable other admissible commands at that step with
     theirs, under the policy at T = 1 (``score_commands`` on the step's own prompt), when a policy
-    is given (the random baseline has none)."""
+    is given (the random baseline has none). Each episode's prompts extend one another, so each
+    step feeds only its new tokens (``PromptCache``)."""
     rows = []
     for e in episodes:
+        keep = PromptCache()
         for i, s in enumerate(e.steps, 1):
             alternatives = ""
             if policy is not None:
                 trie = CommandTrie(s.observation.admissible_commands, prompts.encode_command, prompts.end_id)
-                probs = score_commands(policy, s.prompt_ids, trie)
+                probs = score_commands(policy, s.prompt_ids, trie, keep)
                 others = sorted(((p, c) for c, p in probs.items() if c != s.action.command), reverse=True)[:top]
                 alternatives = "; ".join(f"{c} ({p:.3f})" for p, c in others)
             rows.append([game_name(e.game), s.observation.objective, i, observation_text(s.observation),

@@ -31,6 +31,7 @@ but the cache's length, which otherwise grows with every turn and every restart.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -341,20 +342,37 @@ def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], 
         cursor.choose(children[i][k], float(logp[i, k]), float(values[i]), float(entropy[i]))
 
 
+class PromptCache:
+    """The KV cache of the last prompt ``score_commands`` fed, for the next prompt of the same
+    episode: that prompt extends this one, so only its new tokens are fed (one per episode)."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.cache = None
+
+
 @torch.no_grad()
-def score_commands(policy: PolicyValueModel, prompt: list[int], trie: CommandTrie) -> dict[str, float]:
+def score_commands(policy: PolicyValueModel, prompt: list[int], trie: CommandTrie,
+                   keep: PromptCache | None = None) -> dict[str, float]:
     """Probability (T = 1) of every command in the trie: the product of its fork decisions.
 
     The prompt is fed once; its cache is repeated for every command, whose tokens are then fed in
-    one right-padded call.
+    one right-padded call. With ``keep``, a prompt that extends the one ``keep`` holds feeds only
+    its new tokens, and ``keep`` then holds this prompt.
     """
     device = next(policy.parameters()).device
     commands = list(trie.commands)
-    cache = policy.new_cache()
-    prompt_t = torch.tensor([prompt], device=device)
-    ones = torch.ones_like(prompt_t)
-    hidden, cache = policy.hidden(prompt_t, ones, torch.arange(len(prompt), device=device)[None], cache)
+    reuse = keep is not None and keep.cache is not None and len(prompt) > len(keep.ids) \
+        and prompt[: len(keep.ids)] == keep.ids
+    start = len(keep.ids) if reuse else 0
+    cache = keep.cache if reuse else policy.new_cache()
+    ones = torch.ones(1, len(prompt), dtype=torch.long, device=device)
+    hidden, cache = policy.hidden(torch.tensor([prompt[start:]], device=device), ones,
+                                  torch.arange(start, len(prompt), device=device)[None], cache)
     first = policy.logits(hidden[:, -1])[0]
+    if keep is not None:
+        keep.ids, keep.cache = list(prompt), cache
+        cache = copy.deepcopy(cache)  # the repeat below works in place
     cache.batch_repeat_interleave(len(commands))
     width = max(len(trie.commands[c]) for c in commands) - 1  # the end token is never an input
     ids = torch.full((len(commands), max(width, 1)), policy.lm.config.pad_token_id or 0, dtype=torch.long)
