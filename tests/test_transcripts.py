@@ -6,6 +6,7 @@ import math
 import os
 import re
 
+import pytest
 import torch
 
 from tests.test_training import config
@@ -65,3 +66,28 @@ def test_tensorboard_run_logs_the_transcripts_as_text(tmp_path):
     assert (before.step, text.step) == (0, 1)
     logged = text.tensor_proto.string_val[0].decode()
     assert logged == (tmp_path / "transcripts" / "iter_0001.md").read_text() and "next most likely:" in logged
+
+
+def test_probe_probabilities_are_the_policys_own_for_each_walkthrough_first_command(tmp_path):
+    from tests.test_training import read_metrics
+    from textrl.config import load_env_config
+    from textrl.games.env import open_game
+    from textrl.games.pool import game_name
+    from textrl.games.prompt import PromptBuilder
+
+    result = cli.train.train(config(tmp_path, "iterations=1", "eval.probes=3"))
+    module = result["module"]
+    probes = result["trainer"].datamodule.eval_games[:3]
+    last = [r for r in read_metrics(tmp_path) if r.get("probe/mean")][-1]  # after iteration 1: the final weights
+    prompts = PromptBuilder.for_env(module.tokenizer, load_env_config("easy"))
+    direct = []
+    for path in probes:
+        game = open_game(path, module.cfg.env)
+        obs = game.reset()
+        trie = CommandTrie(obs.admissible_commands, prompts.encode_command, prompts.end_id)
+        with torch.no_grad():
+            p = score_commands(module.policy.eval(), prompts.build(obs, []), trie)[game.walkthrough[0]]
+        assert float(last[f"probe/{game_name(path)}"]) == pytest.approx(p, abs=1e-5)
+        direct.append(p)
+    assert float(last["probe/mean"]) == pytest.approx(sum(direct) / 3, abs=1e-5)
+    assert len([r for r in read_metrics(tmp_path) if r.get("probe/mean")]) == 2  # every evaluation: before and after

@@ -33,9 +33,11 @@ from omegaconf import OmegaConf
 
 from textrl.config import EnvConfig, PPOConfig, TrainConfig
 from textrl.games.env import open_game
+from textrl.games.pool import game_name
 from textrl.games.workers import GameWorkers
 from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs
+from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs, score_commands
+from textrl.policy.trie import CommandTrie
 from textrl.policy.memory import make_optimizer
 from textrl.policy.checkpoint import check_frozen, frozen_fingerprint, frozen_names
 from textrl.policy.model import PolicyValueModel
@@ -80,6 +82,7 @@ class PPOModule(L.LightningModule):
         self.prompts = PromptBuilder.for_env(tokenizer, cfg.env)
         self.decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
         self.game_workers: GameWorkers | None = None  # env.step_workers processes, started at the first rollout
+        self._probes: list | None = None  # (game, prompt, trie, walkthrough command), read at the first evaluation
         self._eval_episodes: list[list[Episode]] = [[], []]
         self._eval_start = 0.0
         self.iterations_done = 0  # completed PPO iterations (saved in checkpoints)
@@ -360,6 +363,8 @@ class PPOModule(L.LightningModule):
             train = episode_metrics(train_episodes, "eval")
             metrics["eval/train_win_rate"] = train["eval/win_rate"]
             metrics["eval/train_episode_len"] = train["eval/episode_len"]
+        if self.cfg.eval.probes:
+            metrics.update(self._probe_metrics())
         metrics["iteration"] = float(iteration)
         metrics["perf/eval_s"] = time.perf_counter() - self._eval_start
         self.log_dict(metrics, on_epoch=True, sync_dist=True)
@@ -372,6 +377,25 @@ class PPOModule(L.LightningModule):
             text = write_transcripts(shown, path, f"Greedy evaluation after iteration {iteration}: win rate "
                                      f"{metrics['eval/win_rate']:.2f} on {len(episodes)} games", rows)
             log_transcripts(self.logger, rows, text, iteration)
+
+    def _probe_metrics(self) -> dict[str, float]:
+        """The probability (T = 1) the policy gives each probe game's walkthrough first command at
+        the game's opening observation: whether it learns to read objectives, long before the
+        held-out win rate moves. Probes are the first ``eval.probes`` held-out games (a game whose
+        walkthrough does not start with an admissible command is left out)."""
+        if self._probes is None:
+            self._probes = []
+            for path in self.trainer.datamodule.eval_games[: self.cfg.eval.probes]:
+                game = open_game(path, self.cfg.env)
+                obs = game.reset()
+                if game.walkthrough and game.walkthrough[0] in obs.admissible_commands:
+                    trie = CommandTrie(obs.admissible_commands, self.prompts.encode_command, self.prompts.end_id)
+                    self._probes.append((game_name(path), self.prompts.build(obs, []), trie, game.walkthrough[0]))
+                game.close()
+        with self._trainer.precision_plugin.forward_context():
+            p = {f"probe/{name}": score_commands(self.policy, prompt, trie)[command]
+                 for name, prompt, trie, command in self._probes}
+        return {**p, "probe/mean": sum(p.values()) / max(len(p), 1)}
 
     # ---- checkpoint state beyond weights/optimizer/scheduler ----------------------------------
     def on_save_checkpoint(self, checkpoint):
