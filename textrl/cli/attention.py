@@ -1,0 +1,179 @@
+"""textrl-attention: where the policy looks when it chooses, before and after fine-tuning.
+
+For one observation (a game's opening one), the attention from the position that makes the first
+decision of the command (the prompt's last token, plus any forced tokens before the first fork) to
+every earlier token, averaged over heads, layer by layer, for the base model and the fine-tuned
+policy; the objective's tokens are marked. Writes to ``--out``:
+
+* ``attention_layers.png``: one panel per layer, attention over the prompt's tokens, base vs tuned,
+  the objective's tokens shaded;
+* ``objective_share.png``: per layer, the share of that attention on the objective's tokens;
+* ``attention.json``: the numbers behind both (tokens, objective positions, per-layer attention).
+
+With ``--games N`` the share is the mean over the opening observations of N games (the panels show
+the first).
+
+    textrl-attention --checkpoint outputs/<run>/checkpoints/last.ckpt            # base: its model config
+    textrl-attention --checkpoint CKPT --base smollm2 --env easy --game 3 --out attention/
+    textrl-attention --checkpoint CKPT --games 16 --out attention/
+
+The models run with eager attention for this command only (the others use SDPA, which does not
+return attention weights); every model family works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from textrl.config import load_env_config, load_model_config
+from textrl.games.env import open_game
+from textrl.games.pool import GamePool, GameSpec, game_name
+from textrl.games.prompt import PromptBuilder
+from textrl.policy.checkpoint import CheckpointError, checkpoint_config, load_policy_weights, read_checkpoint
+from textrl.policy.decoding import Cursor
+from textrl.policy.model import ModelNotFoundError, build_policy
+from textrl.policy.trie import CommandTrie
+
+
+@torch.no_grad()
+def attention_to_prompt(policy, ids: list[int]) -> torch.Tensor:
+    """[layers, len(ids)]: the attention of the last position to every position, mean over heads."""
+    out = policy.lm(input_ids=torch.tensor([ids]), output_attentions=True, logits_to_keep=1)
+    return torch.stack([a[0, :, -1, :].float().mean(0) for a in out.attentions])
+
+
+def objective_positions(tokenizer, ids: list[int], objective: str) -> list[int]:
+    """The tokens whose text overlaps an occurrence of the objective (the system message's, and the
+    one before the command with ``env.goal_last``)."""
+    ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
+    text = tokenizer.decode(ids)
+    spans, start = [], text.find(objective)
+    while start >= 0:
+        spans.append((start, start + len(objective)))
+        start = text.find(objective, start + 1)
+    starts = [0, *ends[:-1]]
+    return [i for i, (a, b) in enumerate(zip(starts, ends)) if any(a < e and b > s for s, e in spans)]
+
+
+def eager(model_cfg):
+    return replace(model_cfg, attn_implementation="eager")
+
+
+def load_models(checkpoint: str, base: str | None):
+    _, state = read_checkpoint(checkpoint, "--checkpoint")
+    cfg = checkpoint_config(state)
+    tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
+    load_policy_weights(tuned, state, cfg.memory.lora, f"--checkpoint={checkpoint}")
+    base_cfg = load_model_config(base) if base else cfg.model
+    base_policy, base_tokenizer = build_policy(eager(base_cfg), cfg.env.step_penalty, cfg.cache_dir)
+    if base_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"--base {base} has another tokenizer than the checkpoint's model "
+                                 f"({cfg.model.name}): the prompts would differ; use the same model family")
+    return tuned.eval(), base_policy.eval(), tokenizer, cfg
+
+
+def plot(out: Path, tokens: list[str], marked: list[int], layers: dict[str, torch.Tensor], shares: dict[str, list[float]],
+         title: str, games: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = next(iter(layers.values())).shape[0]
+    cols = min(6, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.0 * rows), sharex=True, squeeze=False)
+    x = range(len(tokens))
+    for layer in range(rows * cols):
+        ax = axes[layer // cols][layer % cols]
+        if layer >= n:
+            ax.axis("off")
+            continue
+        for i in marked:
+            ax.axvspan(i - 0.5, i + 0.5, color="gold", alpha=0.35, linewidth=0)
+        for name, values in layers.items():
+            ax.plot(x, values[layer].tolist(), linewidth=0.8, label=name)
+        ax.set_title(f"layer {layer}", fontsize=8)
+        ax.tick_params(labelsize=6)
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(f"{title}\nattention of the first decision's position to each prompt token (mean over heads); "
+                 f"objective tokens shaded", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "attention_layers.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name, values in shares.items():
+        ax.plot(range(len(values)), values, marker="o", markersize=3, label=name)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention on the objective")
+    ax.set_title(title if games == 1 else f"mean over the opening observations of {games} games", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "objective_share.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="textrl-attention", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="the fine-tuned policy")
+    ap.add_argument("--base", help="a model config name (smollm2, gpt2, qwen, tiny); default: the checkpoint's model, untrained")
+    ap.add_argument("--env", help="an env option; default: the checkpoint's")
+    ap.add_argument("--split", default="eval", choices=["train", "eval"])
+    ap.add_argument("--game", type=int, default=0, help="game index within the split (the first of --games)")
+    ap.add_argument("--games", type=int, default=1, help="games whose objective shares are averaged (panels: the first)")
+    ap.add_argument("--game-file", help="this game file instead")
+    ap.add_argument("--out", default="attention", help="folder for the PNGs and attention.json")
+    args = ap.parse_args(argv)
+    try:
+        tuned, base, tokenizer, cfg = load_models(args.checkpoint, args.base)
+        env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
+        paths = [args.game_file] if args.game_file else \
+            GamePool(GameSpec.from_env(env), cache_dir=cfg.cache_dir).games(args.split, args.games, start=args.game)
+        games = [open_game(p, env) for p in paths]
+    except (CheckpointError, ModelNotFoundError, ValueError) as exc:  # ConfigError and GameFileError too
+        raise SystemExit(f"error: {exc}") from None
+    prompts = PromptBuilder.for_env(tokenizer, env)
+    per_game = []
+    for path, game in zip(paths, games):
+        obs = game.reset()
+        game.close()
+        trie = CommandTrie(obs.admissible_commands, prompts.encode_command, prompts.end_id)
+        ids = prompts.build(obs, []) + Cursor(trie).new  # the tokens before the first decision
+        marked = objective_positions(tokenizer, ids, obs.objective)
+        layers = {"base": attention_to_prompt(base, ids), "tuned": attention_to_prompt(tuned, ids)}
+        per_game.append({"game": game_name(path), "objective": obs.objective, "ids": ids,
+                         "tokens": tokenizer.convert_ids_to_tokens(ids), "objective_positions": marked,
+                         "objective_share": {name: a[:, marked].sum(-1).tolist() for name, a in layers.items()},
+                         "attention": {name: a.tolist() for name, a in layers.items()}})
+    # the share per layer, mean over the games; the panels show the first game
+    shares = {name: torch.tensor([g["objective_share"][name] for g in per_game]).mean(0).tolist()
+              for name in ("base", "tuned")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    first = per_game[0]
+    plot(out, first["tokens"], first["objective_positions"],
+         {name: torch.tensor(a) for name, a in first["attention"].items()}, shares,
+         f"{first['game']}: {first['objective'][:90]}", len(per_game))
+    for g in per_game[1:]:  # the full attention of the game the panels show; shares for all
+        del g["attention"]
+    (out / "attention.json").write_text(json.dumps({
+        "checkpoint": args.checkpoint, "base": args.base or cfg.model.name, "objective_share_mean": shares,
+        "games": per_game, "command": "textrl-attention " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }) + "\n")
+    print(f"attention of the first decision on the objective, per layer, mean over {len(per_game)} game(s): base -> tuned")
+    for layer, (b, t) in enumerate(zip(shares["base"], shares["tuned"])):
+        print(f"  layer {layer:2d}: {b:.3f} -> {t:.3f}")
+    print(f"wrote {out}/attention_layers.png, objective_share.png, attention.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
