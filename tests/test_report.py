@@ -117,3 +117,44 @@ def test_report_reads_tensorboard_logs_like_csv(tmp_path):
         assert [i for i, _ in curves["tensorboard"][metric]] == [i for i, _ in curves["csv"][metric]]
         assert [v for _, v in curves["tensorboard"][metric]] == pytest.approx([v for _, v in curves["csv"][metric]])
     assert [i for i, _ in curves["csv"]["eval/win_rate"]] == [0, 1, 2]
+
+
+def test_report_html_is_one_self_contained_page_with_the_attention_plot(sweep, tmp_path):
+    from textrl.cli.attention import main as attention
+
+    run = sorted(sweep.glob("*_seed*"))[0]
+    assert attention(["--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "att")]) == 0
+    assert main([str(sweep), "--out", str(tmp_path / "r"), "--attention", str(tmp_path / "att")]) == 0
+    page = (tmp_path / "r" / "report.html").read_text()
+    result = json.loads((tmp_path / "r" / "report.json").read_text())
+    (group, row), = result["groups"].items()
+    assert f"<code>{group}</code></td><td>2</td>" in page
+    assert f"{row['final_win_rate']['mean']:.3f} ± {row['final_win_rate']['std']:.3f}" in page
+    images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    assert len(images) == 2  # the curves and the attention share, inlined: nothing else to ship
+    import base64
+
+    assert base64.b64decode(images[0]) == (tmp_path / "r" / "curves.png").read_bytes()
+    assert base64.b64decode(images[1]) == (tmp_path / "att" / "objective_share.png").read_bytes()
+    assert "src='http" not in page and "href=" not in page
+    with pytest.raises(SystemExit, match="no attention.json there"):
+        main([str(sweep), "--out", str(tmp_path / "r2"), "--attention", str(tmp_path)])
+
+
+def test_wandb_groups_the_seeds_of_a_configuration_as_the_report_does(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from textrl.config import CONF_DIR, to_train_config
+    from textrl.training.loggers import configuration, make_logger
+
+    overrides = ["ppo.kl_coef=0.05", "seed=3", "threads=1", "logger=wandb"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        job = compose("train", overrides=overrides, return_hydra_config=True)  # what a Hydra job sees
+        cfg = to_train_config(compose("train", overrides=[*overrides, f"output_dir={tmp_path}"]))
+    HydraConfig.instance().set_config(job)
+    try:
+        logger = make_logger(cfg, tmp_path, None)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert logger._wandb_init["group"] == configuration(overrides) == "ppo.kl_coef=0.05"

@@ -5,16 +5,20 @@
     textrl-report outputs/2026-11-22/09-12-44                # a single run
 
 A run is a directory with ``logs/metrics.csv`` (logger=csv) or TensorBoard event files in ``logs/``
-(logger=tensorboard); no W&B account is needed. Runs are grouped by their Hydra overrides without ``seed=...`` and ``threads=...``: the seeds of one
-setting form one row of the table and one line (mean) with a band (± one standard deviation) in
-the plots. Writes ``report.md``, ``report.json`` and ``curves.png`` to ``--out`` (default
-``<first dir>/report``).
+(logger=tensorboard); no W&B account is needed. Runs are grouped by their Hydra overrides without
+``seed=``, ``threads=``, ``sweep=`` and ``logger=`` (``textrl.training.loggers.configuration``, the
+name W&B groups them by too): the seeds of one setting form one row of the table and one line (mean) with a band (± one standard deviation) in
+the plots. Writes ``report.md``, ``report.json``, ``curves.png`` and ``report.html`` (one
+self-contained page: the table, the curves and, with ``--attention DIR ...``, the objective-share
+plots that ``textrl-attention`` wrote there) to ``--out`` (default ``<first dir>/report``).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import csv
+import html
 import json
 import statistics
 import sys
@@ -23,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from textrl.training.loggers import configuration
 
 EVAL = ("eval/win_rate", "eval/episode_len")
 ROLLOUT = ("rollout/win_rate", "rollout/episode_len")
@@ -105,8 +111,7 @@ def read_run(path: Path) -> Run:
     seed = next((o.split("=", 1)[1] for o in overrides if o.startswith("seed=")), None)
     if seed is None and (path / ".hydra" / "config.yaml").is_file():
         seed = str(yaml.safe_load((path / ".hydra" / "config.yaml").read_text()).get("seed"))
-    # threads=N changes how fast a run goes, not what it learns: runs that differ only there are one group
-    group = " ".join(o for o in overrides if not o.startswith(("seed=", "threads="))) or "defaults"
+    group = configuration(overrides)  # as W&B groups the same runs
     csv_file = path / "logs" / "metrics.csv"
     curves = read_csv(csv_file) if csv_file.is_file() else read_tensorboard(path / "logs")
     missing = [m for m in EVAL if not curves.get(m)]
@@ -207,7 +212,44 @@ def sweep_command(d: Path) -> str | None:
     return None
 
 
-def report(dirs: list[Path], out: Path, command: str | None = None) -> dict:
+def _png(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def html_page(summary: dict[str, dict], out: Path, produced_by: list[str], command: str | None,
+              attention: list[Path]) -> str:
+    """One page with everything inlined (images as data URIs): open it anywhere, mail it, attach it."""
+    esc = html.escape
+    rows = []
+    for group, row in summary.items():
+        cells = "".join(f"<td>{row[k]['mean']:.3f} ± {row[k]['std']:.3f}</td>"
+                        for k in ("final_win_rate", "best_win_rate", "final_episode_len", "best_episode_len"))
+        iterations = "/".join(map(str, sorted(set(row["iterations"]))))
+        rows.append(f"<tr><td><code>{esc(group)}</code></td><td>{len(row['seeds'])}</td><td>{iterations}</td>{cells}</tr>")
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>textrl report</title><style>"
+             "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child{text-align:left}"
+             "img{max-width:100%}pre{background:#f4f4f4;padding:8px;white-space:pre-wrap}</style></head><body>",
+             "<h1>textrl report</h1><p>Greedy play on the held-out evaluation games; mean ± std across seeds.</p>",
+             "<table><tr><th>runs</th><th>seeds</th><th>iterations</th><th>final win rate</th><th>best win rate</th>"
+             "<th>final episode len</th><th>best episode len</th></tr>", *rows, "</table>",
+             "<h2>Learning curves</h2>", f"<img alt='learning curves' src='{_png(out / 'curves.png')}'>"]
+    for folder in attention:
+        meta = json.loads((folder / "attention.json").read_text())
+        parts += [f"<h2>Attention on the objective: {esc(meta['checkpoint'])} vs {esc(meta['base'])}</h2>",
+                  f"<img alt='objective share per layer' src='{_png(folder / 'objective_share.png')}'>",
+                  f"<pre>{esc(meta['command'])}</pre>"]
+    if produced_by:
+        parts += ["<h2>Runs produced by</h2>", *[f"<pre>{esc(c)}</pre>" for c in produced_by]]
+    if command:
+        parts += ["<h2>Report produced by</h2>", f"<pre>{esc(command)}</pre>"]
+    return "\n".join(parts + ["</body></html>"]) + "\n"
+
+
+def report(dirs: list[Path], out: Path, command: str | None = None, attention: list[Path] = ()) -> dict:
+    for folder in attention:
+        if not (folder / "attention.json").is_file():
+            raise ReportError(f"--attention {folder}: no attention.json there (write it with textrl-attention --out {folder})")
     runs = [read_run(p) for p in find_runs(dirs)]
     summary = summarize(runs)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,6 +266,7 @@ def report(dirs: list[Path], out: Path, command: str | None = None) -> dict:
     if command:
         md += ["Report produced by:\n", f"    {command}", ""]
     (out / "report.md").write_text("\n".join(md))
+    (out / "report.html").write_text(html_page(summary, out, produced_by, command, list(attention)))
     return result
 
 
@@ -231,16 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="textrl-report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="+", type=Path, help="sweep or run directories")
-    ap.add_argument("--out", type=Path, help="where to write report.md, report.json, curves.png")
+    ap.add_argument("--out", type=Path, help="where to write report.md, report.json, curves.png, report.html")
+    ap.add_argument("--attention", type=Path, nargs="*", default=[],
+                    help="textrl-attention output folders whose objective-share plot the HTML page shows")
     args = ap.parse_args(argv)
     out = args.out or args.dirs[0] / "report"
     command = " ".join(["textrl-report", *(argv if argv is not None else sys.argv[1:])])
     try:
-        result = report(args.dirs, out, command)
+        result = report(args.dirs, out, command, args.attention)
     except ReportError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(table(result["groups"]))
-    print(f"\nwrote {out / 'report.md'}, {out / 'report.json'} and {out / 'curves.png'}")
+    print(f"\nwrote {out / 'report.md'}, {out / 'report.json'}, {out / 'curves.png'} and {out / 'report.html'}")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -75,6 +76,31 @@ def wandb_api_key() -> str | None:
     return entry[2] if entry else None
 
 
+def configuration(overrides: list[str]) -> str:
+    """What a run's configuration is called: its command-line overrides without ``seed=`` (the seeds
+    of one configuration share the name) and without those that change where and how fast a run
+    goes or where it logs, not what it learns (``threads=``, ``sweep=``, ``logger=``).
+    ``textrl-report`` groups runs by it; W&B groups by it (``wandb_group``)."""
+    ignored = ("seed=", "threads=", "sweep=", "logger=")
+    return " ".join(o for o in overrides if not o.startswith(ignored)) or "defaults"
+
+
+def wandb_group(cfg: TrainConfig) -> str:
+    """The W&B group of a run: its configuration (Hydra's overrides for this job, as textrl-report
+    groups), so W&B's grouped view shows each configuration's seeds as one line with a band. Runs
+    started from code (no Hydra) group by their experiment name. W&B allows 128 characters: a
+    longer name keeps its start and a hash of the whole."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        group = configuration(list(HydraConfig.get().overrides.task))
+    else:
+        group = cfg.experiment or "defaults"
+    if len(group) > 128:
+        group = group[:119] + "~" + hashlib.sha256(group.encode()).hexdigest()[:8]
+    return group
+
+
 def make_logger(cfg: TrainConfig, run_dir: Path, resume_state: dict | None, resume_iteration: int | None = None):
     name = cfg.logger.name
     if name == "csv":
@@ -91,7 +117,7 @@ def make_logger(cfg: TrainConfig, run_dir: Path, resume_state: dict | None, resu
         log.info("W&B: no API key ($WANDB_API_KEY or `wandb login`), logging offline to %s/wandb "
                  "(upload later with `wandb sync`)", run_dir)
     run_id = (resume_state or {}).get("wandb_id")
-    return WandbLogger(project=cfg.logger.project, save_dir=str(run_dir), group=cfg.experiment or "default",
+    return WandbLogger(project=cfg.logger.project, save_dir=str(run_dir), group=wandb_group(cfg),
                        tags=[f"seed={cfg.seed}"], name=f"{cfg.experiment or 'run'}-seed{cfg.seed}",
                        id=run_id, resume="allow" if run_id else None, offline=offline,
                        config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
