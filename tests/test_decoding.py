@@ -246,5 +246,5 @@ def test_the_decode_profile_counts_every_real_token_fed_and_the_games_time(tiny,
     assert p.prefill_s > 0 and (p.fork_s > 0) == (p.calls > 1) and p.choose_s > 0
 
     episodes, stats = play([TextGame(g, 3) for g in easy_games[:4]], decoder, prompts, seeds=[1, 2, 3, 4])
-    assert stats.decode is decoder.profile and stats.decode.tokens > 0
+    assert stats.decode == decoder.profile and stats.decode.tokens > 0
     assert 0 < stats.env_s and stats.env_s + stats.decode.model_s < stats.seconds

@@ -23,8 +23,13 @@ def workers():
 
 
 def steps_of(episodes):
-    return [[(s.action.command, s.reward, s.terminated, s.truncated, s.feedback, s.prompt_ids,
-              [d.logprob for d in s.action.decisions]) for s in e.steps] + [e.won] for e in episodes]
+    """What an episode played, exactly, and its numbers (log-probs, values, bootstrap value): rows
+    decoded in other batches agree to ~1e-6 in fp32, not bitwise."""
+    played = [[(s.action.command, s.reward, s.terminated, s.truncated, s.feedback, s.prompt_ids) for s in e.steps]
+              + [e.won] for e in episodes]
+    numbers = [x for e in episodes for s in e.steps for d in s.action.decisions for x in (d.logprob, d.value)]
+    numbers += [e.bootstrap_value for e in episodes if e.bootstrap_value is not None]
+    return played, numbers
 
 
 def test_a_rollout_on_workers_is_the_rollout_in_process(tiny, prompts, easy_games, workers):
@@ -33,16 +38,19 @@ def test_a_rollout_on_workers_is_the_rollout_in_process(tiny, prompts, easy_game
     games = easy_games[:6]
     seeds = episode_seeds(1, 0, games)
     runs = []
-    for envs in ([open_game(g, env) for g in games], workers.open(games, env)):
-        decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    for envs, groups in (([open_game(g, env) for g in games], 1), (workers.open(games, env), 2)):
+        # on workers: two groups, each with its decoder, one group stepping while the other decodes
+        decoders = [ConstrainedDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]
         with torch.no_grad():
-            episodes, stats = play(envs, decoder, prompts, seeds=seeds)
+            episodes, stats = play(envs, decoders, prompts, seeds=seeds, bootstrap=True)
         runs.append(steps_of(episodes))
         assert [e.game for e in episodes] == [str(g) for g in games]
         for g in envs:
             g.close()
-    assert runs[0] == runs[1]
-    assert sum(len(e) - 1 for e in runs[0]) > len(games)  # several turns: histories and prompts grew
+    (played, numbers), (played_w, numbers_w) = runs
+    assert played == played_w and numbers == pytest.approx(numbers_w, abs=1e-4)
+    assert sum(len(e) - 1 for e in played) > len(games)  # several turns: histories and prompts grew
+    assert len(numbers) > sum(len(e) - 1 for e in played)  # ... and bootstrap values of cut episodes
 
 
 def test_workers_hold_their_share_of_the_games_and_refuse_bad_commands(easy_games, workers):

@@ -19,7 +19,7 @@ import torch
 
 from textrl.games.env import Game, Observation
 from textrl.games.pool import game_name
-from textrl.games.workers import reset_games, step_games
+from textrl.games.workers import reset_games, step_games_async
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import Action, Decision, DecodeProfile
 from textrl.policy.trie import CommandTrie
@@ -92,8 +92,15 @@ def play(envs: list[Game], decoder, prompts: PromptBuilder, temperature: float =
     fork with ``explore`` x uniform (``textrl.policy.decoding.mix_uniform``). With
     ``bootstrap``, an episode cut by the step limit gets the value of the state it was cut at
     (``Episode.bootstrap_value``), for the advantages.
+
+    ``decoder`` may be a list of decoders (each with its own KV cache): the environments are split
+    into as many contiguous groups, one per decoder, and with games on worker processes one group's
+    games step while the next group decodes (``run_episodes``). A row's command depends
+    on its own seed only, so the grouping changes no draw.
     """
-    decoder.reset()
+    decoders = decoder if isinstance(decoder, list) else [decoder]
+    for d in decoders:
+        d.reset()
     if not greedy and (seeds is None or len(seeds) != len(envs)):
         raise ValueError("sampling needs one seed per environment (see episode_seeds), or greedy=True")
     rngs = None if greedy else [torch.Generator().manual_seed(s) for s in seeds]
@@ -103,17 +110,18 @@ def play(envs: list[Game], decoder, prompts: PromptBuilder, temperature: float =
         tries = [CommandTrie(o.admissible_commands, prompts.encode_command, prompts.end_id) for o in obs]
         return prompt_ids, tries
 
-    def act(live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
+    def act(group: int, live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
         prompt_ids, tries = state(live, obs)
-        actions = decoder.act(live, prompt_ids, tries, temperature=temperature, greedy=greedy,
-                              rngs=None if greedy else [rngs[i] for i in live], explore=explore)
+        actions = decoders[group].act(live, prompt_ids, tries, temperature=temperature, greedy=greedy,
+                                      rngs=None if greedy else [rngs[i] for i in live], explore=explore)
         return list(zip(prompt_ids, actions))
 
-    def value(rows: list[int], obs: list[Observation]) -> list[float]:
-        return decoder.values(rows, *state(rows, obs))
+    def value(group: int, rows: list[int], obs: list[Observation]) -> list[float]:
+        return decoders[group].values(rows, *state(rows, obs))
 
-    episodes, stats = run_episodes(envs, act, value if bootstrap else None)
-    stats.decode = getattr(decoder, "profile", None)
+    episodes, stats = run_episodes(envs, act, value if bootstrap else None, groups=len(decoders))
+    profiles = [d.profile for d in decoders if hasattr(d, "profile")]
+    stats.decode = DecodeProfile.combined(profiles) if profiles else None
     return episodes, stats
 
 
@@ -126,7 +134,7 @@ def play_uniform(envs: list[Game], seed: int = 0) -> tuple[list[Episode], Rollou
     """
     rngs = [random.Random(f"{seed}/{game_name(env.game_file)}") for env in envs]
 
-    def act(live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
+    def act(group: int, live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:
         chosen = []
         for i, o in zip(live, obs):
             n = len(o.admissible_commands)
@@ -138,36 +146,59 @@ def play_uniform(envs: list[Game], seed: int = 0) -> tuple[list[Episode], Rollou
     return run_episodes(envs, act)
 
 
-def run_episodes(envs: list[Game], act, value=None) -> tuple[list[Episode], RolloutStats]:
-    """The loop itself: reset all, then each turn ``act(live, observations)`` gives (prompt ids,
-    action) for the environments still playing; they step, and finished ones leave the batch.
-    At the end ``value(rows, observations)``, if given, values the states truncated episodes stop in."""
+def run_episodes(envs: list[Game], act, value=None, groups: int = 1) -> tuple[list[Episode], RolloutStats]:
+    """The loop itself: reset all, then each turn ``act(group, live, observations)`` gives (prompt
+    ids, action) for a group's environments still playing; they step, and finished ones leave.
+    At the end ``value(group, rows, observations)``, if given, values the states truncated episodes
+    stop in.
+
+    Environments are split into ``groups`` contiguous blocks. Each round, every group in turn
+    collects the outcome of its last step, then decodes and sends its next commands. Stepping is
+    asynchronous when the games live on worker processes (``step_games_async``), so one group's
+    games step while the next group decodes; in process it is done by the time the call returns.
+    ``env_s`` is the time this loop spends on games: stepping them, or waiting for their outcome.
+    """
     start = time.perf_counter()
     episodes = [Episode(game=str(env.game_file)) for env in envs]
     reset_games(envs)
     env_s = time.perf_counter() - start
-    live = list(range(len(envs)))
+    # contiguous blocks: game workers hold games round-robin, so each block spreads over all of them
+    bounds = [round(g * len(envs) / groups) for g in range(groups + 1)]
+    blocks = [list(range(bounds[g], bounds[g + 1])) for g in range(groups)]
+    live = [list(b) for b in blocks]
+    pending: list = [None] * groups  # per group: (rows, observations, chosen, steps in flight)
     decisions = turns = 0
-    while live:
-        obs = [envs[i].observation for i in live]
-        still = []
-        chosen = act(live, obs)
-        stepped = time.perf_counter()  # every game steps (on workers: side by side) before any is read
-        results = step_games([envs[i] for i in live], [a.command for _, a in chosen])
-        env_s += time.perf_counter() - stepped
-        for i, o, (p, a), result in zip(live, obs, chosen, results):
-            episodes[i].steps.append(Step(o, p, a, result.reward, result.terminated, result.truncated,
-                                          result.observation.feedback))
-            episodes[i].won = result.observation.won
-            decisions += len(a.decisions)
-            turns += 1
-            if not result.done:
-                still.append(i)
-        live = still
-    cut = [i for i, e in enumerate(episodes) if e.truncated]
-    if value is not None and cut:
-        for i, v in zip(cut, value(cut, [envs[i].observation for i in cut])):
-            episodes[i].bootstrap_value = v
+    while any(live) or any(pending):
+        for g in range(groups):
+            if pending[g] is not None:
+                rows, obs, chosen, steps = pending[g]
+                pending[g] = None
+                waited = time.perf_counter()
+                results = steps.result()
+                env_s += time.perf_counter() - waited
+                still = []
+                for i, o, (p, a), result in zip(rows, obs, chosen, results):
+                    episodes[i].steps.append(Step(o, p, a, result.reward, result.terminated, result.truncated,
+                                                  result.observation.feedback))
+                    episodes[i].won = result.observation.won
+                    decisions += len(a.decisions)
+                    turns += 1
+                    if not result.done:
+                        still.append(i)
+                live[g] = still
+            if live[g]:
+                obs = [envs[i].observation for i in live[g]]
+                chosen = act(g, live[g], obs)
+                sent = time.perf_counter()
+                pending[g] = (live[g], obs, chosen,
+                              step_games_async([envs[i] for i in live[g]], [a.command for _, a in chosen]))
+                env_s += time.perf_counter() - sent
+    if value is not None:
+        for g in range(groups):
+            cut = [i for i in blocks[g] if episodes[i].truncated]
+            if cut:
+                for i, v in zip(cut, value(g, cut, [envs[i].observation for i in cut])):
+                    episodes[i].bootstrap_value = v
     return episodes, RolloutStats(time.perf_counter() - start, decisions, turns, env_s)
 
 

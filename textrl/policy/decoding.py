@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -97,6 +97,11 @@ class DecodeProfile:
     calls: int = 0  # model calls of both kinds
     padded_tokens: int = 0  # positions those calls computed, padding included
     choose_s: float = 0.0  # reading the allowed children's logits and drawing
+
+    @classmethod
+    def combined(cls, profiles: list["DecodeProfile"]) -> "DecodeProfile":
+        """The sum of several decoders' profiles (one rollout decoded in groups)."""
+        return cls(**{f.name: sum(getattr(p, f.name) for p in profiles) for f in fields(cls)})
 
     @property
     def model_s(self) -> float:

@@ -81,6 +81,9 @@ class PPOModule(L.LightningModule):
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder.for_env(tokenizer, cfg.env)
         self.decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+        # the second group's decoder when games step on workers (env.step_workers): its own KV cache
+        self.decoders = [self.decoder] + ([ConstrainedDecoder(policy, tokenizer.pad_token_id)]
+                                          if cfg.env.step_workers else [])
         self.game_workers: GameWorkers | None = None  # env.step_workers processes, started at the first rollout
         self._probes: list | None = None  # (game, prompt, trie, walkthrough command), read at the first evaluation
         self._eval_episodes: list[list[Episode]] = [[], []]
@@ -219,14 +222,17 @@ class PPOModule(L.LightningModule):
         self.policy.eval()  # gradient checkpointing (train mode only) would switch the KV cache off
         greedy = seeds is None
         try:
+            # with game workers, two groups of games, each with its decoder: one steps while the other decodes
+            decoders = self.decoders if self.game_workers else self.decoder
             with precision:
-                return play(envs, self.decoder, prompts, temperature=temperature, greedy=greedy, seeds=seeds,
+                return play(envs, decoders, prompts, temperature=temperature, greedy=greedy, seeds=seeds,
                             bootstrap=not greedy, explore=0.0 if greedy else self.cfg.ppo.explore)
         finally:
             self.policy.train(was_training)
             for env in envs:
                 env.close()
-            self.decoder.reset()  # free the KV cache between rollouts
+            for decoder in self.decoders:
+                decoder.reset()  # free the KV cache between rollouts
 
     def teardown(self, stage: str) -> None:
         if self.game_workers is not None:  # after fit / validate: the worker processes end with them
