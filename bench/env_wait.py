@@ -1,0 +1,80 @@
+"""How much of a rollout is spent on the games: in the training process vs on worker processes.
+
+For each number of environments (``--envs``, default 16 and 64) the default policy (untrained
+SmolLM2, the default easy env and prompt, the run's autocast) plays one sampled episode per env,
+first with the games stepping one after the other in this process, then held by ``--workers``
+processes (``env.step_workers``: two groups of games, one stepping while the other decodes). Same
+games and seeds in both. Reported per setting: rollout seconds, the loop's seconds on games
+(stepping, or waiting for the workers' answers) and their share. Writes ``bench/results/env_wait.json``.
+
+    python bench/env_wait.py                      # 16 and 64 envs, 2 workers
+    python bench/env_wait.py --envs 64 --workers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+
+import torch
+
+from result import write_result  # bench/result.py (the script directory is on sys.path)
+from textrl.config import load_env_config, load_model_config, native_bf16
+from textrl.games.env import open_game
+from textrl.games.pool import GamePool, GameSpec
+from textrl.games.prompt import PromptBuilder
+from textrl.games.workers import GameWorkers
+from textrl.policy.decoding import ConstrainedDecoder
+from textrl.policy.model import build_policy
+from textrl.rollout import episode_seeds, play
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--envs", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--env", default="easy")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/env_wait.json")
+    args = ap.parse_args(argv)
+
+    env = load_env_config(args.env)
+    policy, tokenizer = build_policy(load_model_config(args.model))
+    policy.eval()
+    precision = "bf16-mixed" if native_bf16(False) else "32-true"
+    autocast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+    prompts = PromptBuilder.for_env(tokenizer, env)
+    workers = GameWorkers(args.workers)
+    results = []
+    try:
+        for n in args.envs:
+            games = GamePool(GameSpec.from_env(env), workers=env.workers).games("train", n)
+            seeds = episode_seeds(args.seed, 0, games)
+            for where in ("process", "workers"):
+                if where == "process":
+                    envs, decoders = [open_game(g, env) for g in games], ConstrainedDecoder(policy, tokenizer.pad_token_id)
+                else:
+                    envs = workers.open(games, env)
+                    decoders = [ConstrainedDecoder(policy, tokenizer.pad_token_id) for _ in range(2)]
+                with torch.no_grad(), autocast:
+                    episodes, stats = play(envs, decoders, prompts, seeds=seeds)
+                for e in envs:
+                    e.close()
+                row = {"envs": n, "games": where, "workers": args.workers if where == "workers" else 0,
+                       "rollout_s": round(stats.seconds, 2), "env_s": round(stats.env_s, 2),
+                       "env_share": round(stats.env_s / stats.seconds, 4), "turns": stats.turns,
+                       "model_s": round(stats.decode.model_s, 2)}
+                results.append(row)
+                print(row, flush=True)
+    finally:
+        workers.close()
+    out = {"results": results, "model": args.model, "env": args.env, "precision": precision,
+           "cpu_native_bf16": native_bf16(False), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+           "machine": platform.processor() or platform.machine()}
+    write_result(args.out, out, argv, show={"results": results})
+
+
+if __name__ == "__main__":
+    main()
