@@ -161,7 +161,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each bound (median)")
-    ap.add_argument("--length", type=int, default=512, help="tokens per sequence in the bound batches")
+    # a rollout's tokens attend to contexts of up to a full prompt (~1,000 tokens after 8 easy turns):
+    # 1,024-token sequences put the bound's average context (512) within that range
+    ap.add_argument("--length", type=int, default=1024, help="tokens per sequence in the bound batches")
     ap.add_argument("--out", default="bench/results/iteration.json")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the training run")
     args = ap.parse_args(argv)
