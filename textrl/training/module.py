@@ -80,10 +80,10 @@ class PPOModule(L.LightningModule):
         self.policy = policy
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder.for_env(tokenizer, cfg.env)
-        self.decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
-        # the second group's decoder when games step on workers (env.step_workers): its own KV cache
-        self.decoders = [self.decoder] + ([ConstrainedDecoder(policy, tokenizer.pad_token_id)]
-                                          if cfg.env.step_workers else [])
+        # one decoder (KV cache) per group of games: two when games step on workers (env.step_workers),
+        # so that one group's games step while the other decodes (textrl.rollout.run_episodes)
+        self.decoders = [ConstrainedDecoder(policy, tokenizer.pad_token_id)
+                         for _ in range(2 if cfg.env.step_workers else 1)]
         self.game_workers: GameWorkers | None = None  # env.step_workers processes, started at the first rollout
         self._probes: list | None = None  # (game, prompt, trie, walkthrough command), read at the first evaluation
         self._eval_episodes: list[list[Episode]] = [[], []]
@@ -222,10 +222,8 @@ class PPOModule(L.LightningModule):
         self.policy.eval()  # gradient checkpointing (train mode only) would switch the KV cache off
         greedy = seeds is None
         try:
-            # with game workers, two groups of games, each with its decoder: one steps while the other decodes
-            decoders = self.decoders if self.game_workers else self.decoder
             with precision:
-                return play(envs, decoders, prompts, temperature=temperature, greedy=greedy, seeds=seeds,
+                return play(envs, self.decoders, prompts, temperature=temperature, greedy=greedy, seeds=seeds,
                             bootstrap=not greedy, explore=0.0 if greedy else self.cfg.ppo.explore)
         finally:
             self.policy.train(was_training)
