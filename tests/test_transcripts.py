@@ -40,7 +40,11 @@ def test_wandb_run_logs_the_transcripts_as_a_table(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    wandb.finish()  # a run another test left open would be reused by the logger (and log elsewhere)
     cli.train.train(config(tmp_path, "logger=wandb", "iterations=1", "eval.transcripts=2"))
+    wandb.finish()
     os.environ.pop("WANDB_MODE", None)
     tables = sorted(tmp_path.glob("wandb/offline-run-*/files/media/table/eval/transcripts_*.table.json"),
                     key=lambda p: int(p.name.split("_")[1]))  # transcripts_<W&B step>_<hash>
