@@ -4,7 +4,8 @@ For each number of environments (``--envs``, default 16 and 64) the default poli
 SmolLM2, the default easy env and prompt, the run's autocast) plays one sampled episode per env,
 first with the games stepping one after the other in this process, then held by ``--workers``
 processes (``env.step_workers``: two groups of games, one stepping while the other decodes). Same
-games and seeds in both. Reported per setting: rollout seconds, the loop's seconds on games
+games and seeds in both. ``--groups 1 2 4`` also measures the games in process decoded as that many
+groups (``env.decode_groups``), to separate what the grouping saves from what the workers do. Reported per setting: rollout seconds, the loop's seconds on games
 (stepping, or waiting for the workers' answers) and their share. Writes ``bench/results/env_wait.json``.
 
     python bench/env_wait.py                      # 16 and 64 envs, 2 workers
@@ -34,6 +35,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--envs", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--groups", type=int, nargs="+", default=[1],
+                    help="in process: decode the envs as this many groups (env.decode_groups), each measured")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--env", default="easy")
     ap.add_argument("--seed", type=int, default=0)
@@ -52,17 +55,15 @@ def main(argv=None):
         for n in args.envs:
             games = GamePool(GameSpec.from_env(env), workers=env.workers).games("train", n)
             seeds = episode_seeds(args.seed, 0, games)
-            for where in ("process", "workers"):
-                if where == "process":
-                    envs, decoders = [open_game(g, env) for g in games], ConstrainedDecoder(policy, tokenizer.pad_token_id)
-                else:
-                    envs = workers.open(games, env)
-                    decoders = [ConstrainedDecoder(policy, tokenizer.pad_token_id) for _ in range(2)]
+            for where, groups in [*(("process", g) for g in args.groups), ("workers", 2)]:
+                decoders = [ConstrainedDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]
+                envs = workers.open(games, env) if where == "workers" else [open_game(g, env) for g in games]
                 with torch.no_grad(), autocast:
                     episodes, stats = play(envs, decoders, prompts, seeds=seeds)
                 for e in envs:
                     e.close()
                 row = {"envs": n, "games": where, "workers": args.workers if where == "workers" else 0,
+                       "decode_groups": groups,
                        "rollout_s": round(stats.seconds, 2), "env_s": round(stats.env_s, 2),
                        "env_share": round(stats.env_s / stats.seconds, 4), "turns": stats.turns,
                        "model_s": round(stats.decode.model_s, 2)}

@@ -32,13 +32,14 @@ def steps_of(episodes):
     return played, numbers
 
 
-def test_a_rollout_on_workers_is_the_rollout_in_process(tiny, prompts, easy_games, workers):
+def test_a_rollout_on_workers_or_in_groups_is_the_rollout_in_one_batch(tiny, prompts, easy_games, workers):
     policy, tokenizer = tiny
     env = load_env_config("easy")
     games = easy_games[:6]
     seeds = episode_seeds(1, 0, games)
     runs = []
-    for envs, groups in (([open_game(g, env) for g in games], 1), (workers.open(games, env), 2)):
+    for envs, groups in (([open_game(g, env) for g in games], 1), (workers.open(games, env), 2),
+                         ([open_game(g, env) for g in games], 4)):  # in process, four groups (env.decode_groups)
         # on workers: two groups, each with its decoder, one group stepping while the other decodes
         decoders = [ConstrainedDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]
         with torch.no_grad():
@@ -47,8 +48,9 @@ def test_a_rollout_on_workers_is_the_rollout_in_process(tiny, prompts, easy_game
         assert [e.game for e in episodes] == [str(g) for g in games]
         for g in envs:
             g.close()
-    (played, numbers), (played_w, numbers_w) = runs
-    assert played == played_w and numbers == pytest.approx(numbers_w, abs=1e-4)
+    (played, numbers), *others = runs
+    for played_g, numbers_g in others:
+        assert played == played_g and numbers == pytest.approx(numbers_g, abs=1e-4)
     assert sum(len(e) - 1 for e in played) > len(games)  # several turns: histories and prompts grew
     assert len(numbers) > sum(len(e) - 1 for e in played)  # ... and bootstrap values of cut episodes
 
@@ -74,6 +76,15 @@ class SeeWorkers(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         self.processes = [m._process for m in pl_module.game_workers.managers]
         self.alive = [p.is_alive() for p in self.processes]
+
+
+def test_decode_groups_gives_the_module_a_decoder_per_group(tmp_path):
+    from textrl.training.module import PPOModule
+    from textrl.policy.model import build_policy
+
+    cfg = config(tmp_path, "env.decode_groups=3")
+    module = PPOModule(cfg, *build_policy(cfg.model))
+    assert len(module.decoders) == 3 and len({id(d) for d in module.decoders}) == 3
 
 
 def test_training_with_step_workers_runs_and_ends_its_workers(tmp_path):

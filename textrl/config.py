@@ -91,6 +91,9 @@ class EnvConfig:
     # 0: the games step one after the other in the training process. Worth it where stepping is a
     # large share of the rollout (many envs, a fast GPU): see perf/rollout_env_s
     step_workers: int = 0
+    # the rollout's envs decoded as this many groups, one after the other, each with its own KV cache:
+    # a group pads its chunks to its own longest row, not the batch's (with step_workers: at least 2)
+    decode_groups: int = 1
 
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
         """These games, shown the way a policy trained on ``policy_env`` saw its own: its prompt
@@ -267,6 +270,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ["num_envs", "group_size", "pool_size", "history_len", "workers", "max_steps"]:
         _check(f"env.{key}", getattr(e, key), getattr(e, key) >= 1, "an integer >= 1")
     _check("env.step_workers", e.step_workers, e.step_workers >= 0, "an integer >= 0 (0: no worker processes)")
+    _check("env.decode_groups", e.decode_groups, 1 <= e.decode_groups <= e.num_envs, f"an integer in [1, env.num_envs={e.num_envs}]")
     _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= 128, "an integer >= 128")
     _check("env.group_size", e.group_size, e.num_envs % e.group_size == 0,
            f"a divisor of env.num_envs ({e.num_envs}): each game is played group_size times")
