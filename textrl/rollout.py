@@ -22,7 +22,6 @@ from textrl.games.pool import game_name
 from textrl.games.workers import reset_games, step_games_async
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import Action, Decision, DecodeProfile
-from textrl.policy.trie import CommandTrie
 
 
 @dataclass
@@ -107,7 +106,7 @@ def play(envs: list[Game], decoder, prompts: PromptBuilder, temperature: float =
 
     def state(live: list[int], obs: list[Observation]):
         prompt_ids = [prompts.build(o, envs[i].history) for i, o in zip(live, obs)]
-        tries = [CommandTrie(o.admissible_commands, prompts.encode_command, prompts.end_id) for o in obs]
+        tries = [prompts.trie(o) for o in obs]
         return prompt_ids, tries
 
     def act(group: int, live: list[int], obs: list[Observation]) -> list[tuple[list[int], Action]]:

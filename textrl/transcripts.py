@@ -10,7 +10,6 @@ from pathlib import Path
 from textrl.games.pool import game_name
 from textrl.games.prompt import PromptBuilder, observation_text
 from textrl.policy.decoding import PromptCache, score_commands
-from textrl.policy.trie import CommandTrie
 from textrl.rollout import Episode
 
 COLUMNS = ["game", "objective", "step", "observation", "command", "p", "alternatives", "reward", "won"]
@@ -29,7 +28,7 @@ def transcript_rows(episodes: list[Episode], policy=None, prompts: PromptBuilder
         for i, s in enumerate(e.steps, 1):
             alternatives = ""
             if policy is not None:
-                trie = CommandTrie(s.observation.admissible_commands, prompts.encode_command, prompts.end_id)
+                trie = prompts.trie(s.observation)
                 probs = score_commands(policy, s.prompt_ids, trie, keep)
                 others = sorted(((p, c) for c, p in probs.items() if c != s.action.command), reverse=True)[:top]
                 alternatives = "; ".join(f"{c} ({p:.3f})" for p, c in others)

@@ -38,7 +38,6 @@ from textrl.games.prompt import PromptBuilder
 from textrl.policy.checkpoint import CheckpointError, checkpoint_config, load_policy_weights, read_checkpoint
 from textrl.policy.decoding import Cursor
 from textrl.policy.model import ModelNotFoundError, build_policy
-from textrl.policy.trie import CommandTrie
 
 
 @torch.no_grad()
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, game in zip(paths, games):
         obs = game.reset()
         game.close()
-        trie = CommandTrie(obs.admissible_commands, prompts.encode_command, prompts.end_id)
+        trie = prompts.trie(obs)
         ids = prompts.build(obs, []) + Cursor(trie).new  # the tokens before the first decision
         marked = objective_positions(tokenizer, ids, obs.objective)
         layers = {"base": attention_to_prompt(base, ids), "tuned": attention_to_prompt(tuned, ids)}

@@ -18,7 +18,6 @@ from textrl.games.prompt import PromptBuilder, observation_text
 from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
 from textrl.policy.decoding import ConstrainedDecoder, score_commands
 from textrl.policy.model import ModelNotFoundError, PolicyValueModel, build_policy
-from textrl.policy.trie import CommandTrie
 
 
 def _show(obs, step: int) -> None:
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         _show(obs, step)
         if policy is not None:
             prompt = prompts.build(obs, env.history)
-            trie = CommandTrie(obs.admissible_commands, prompts.encode_command, prompts.end_id)
+            trie = prompts.trie(obs)
             probs = score_commands(policy, prompt, trie)
             for command, p in sorted(probs.items(), key=lambda kv: -kv[1])[: args.top]:
                 print(f"  {p:6.1%}  {command}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from textrl.games.env import Observation, Turn
+from textrl.policy.trie import CommandTrie
 
 SYSTEM = "You are playing a text adventure game. Reply with exactly one command.\nGoal: {objective}"
 _SENTINEL = "\u0000TEXTRL_COMMAND\u0000"
@@ -76,6 +77,10 @@ class PromptBuilder:
     def encode_command(self, command: str) -> list[int]:
         """Command token ids without the end token (the trie adds it)."""
         return self.tokenizer.encode(self._command_prefix + command, add_special_tokens=False)
+
+    def trie(self, obs: Observation) -> CommandTrie:
+        """The trie of an observation's admissible commands, tokenized as they follow this prompt."""
+        return CommandTrie(obs.admissible_commands, self.encode_command, self.end_id)
 
     def _pieces(self, obs: Observation, history: Sequence[Turn]) -> list[str]:
         """Prompt text split around the past commands: len(history) + 1 pieces."""

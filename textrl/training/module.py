@@ -37,7 +37,6 @@ from textrl.games.pool import game_name
 from textrl.games.workers import GameWorkers
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder, masked_logprobs, score_commands
-from textrl.policy.trie import CommandTrie
 from textrl.policy.memory import make_optimizer
 from textrl.policy.checkpoint import check_frozen, frozen_fingerprint, frozen_names
 from textrl.policy.model import PolicyValueModel
@@ -393,7 +392,7 @@ class PPOModule(L.LightningModule):
                 game = open_game(path, self.cfg.env)
                 obs = game.reset()
                 if game.walkthrough and game.walkthrough[0] in obs.admissible_commands:
-                    trie = CommandTrie(obs.admissible_commands, self.prompts.encode_command, self.prompts.end_id)
+                    trie = self.prompts.trie(obs)
                     self._probes.append((game_name(path), self.prompts.build(obs, []), trie, game.walkthrough[0]))
                 game.close()
         with self._trainer.precision_plugin.forward_context():

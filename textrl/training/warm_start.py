@@ -36,7 +36,6 @@ from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import forced_action, masked_logprobs
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
-from textrl.policy.trie import CommandTrie
 from textrl.ppo.buffer import Sequence, decision_forward, episode_sequences
 from textrl.rollout import Episode, Step
 
@@ -56,7 +55,7 @@ def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainCo
                 if command not in obs.admissible_commands:
                     break
                 prompt_ids = prompts.build(obs, env.history)  # before the step, as in a rollout
-                trie = CommandTrie(obs.admissible_commands, prompts.encode_command, prompts.end_id)
+                trie = prompts.trie(obs)
                 result = env.step(command)
                 episode.steps.append(Step(obs, prompt_ids, forced_action(trie, command), result.reward,
                                           result.terminated, result.truncated, result.observation.feedback))
