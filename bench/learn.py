@@ -90,6 +90,18 @@ def summarize_run(run_dir: Path) -> dict:
     return out
 
 
+def earlier_runs(out_path: Path, overrides: list[str], seeds: set[int]) -> tuple[list[dict], list[str]]:
+    """The runs of other seeds a result file already holds, and the commands that added them, if the
+    file is of the same configuration and overrides (a file of another configuration is replaced)."""
+    previous = json.loads(out_path.read_text()) if out_path.is_file() else None
+    if not previous or previous["overrides"] != overrides:
+        return [], []
+    runs = [r for r in previous["runs"] if r["seed"] not in seeds]
+    for r in runs:  # files written before runs recorded their threads: the file's one figure
+        r.setdefault("threads", previous["torch_threads"])
+    return runs, previous.get("commands", [previous["command"]]) if runs else []
+
+
 def mean_std(values: list[float]) -> dict:
     return {"mean": round(statistics.fmean(values), 4),
             "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0, "values": values}
@@ -115,14 +127,7 @@ def main(argv=None):
         out_path = ROOT / "bench" / "results" / f"learn_{args.tag}_{name}.json"
         # threads=N changes how fast a run goes, not what it learns: not part of what the file holds
         overrides_all = [o for o in (*CONFIGS[name], *args.overrides) if not o.startswith("threads=")]
-        # seeds added later join the file's other seeds (same configuration and overrides); a file
-        # of another configuration under this name is replaced
-        previous = json.loads(out_path.read_text()) if out_path.is_file() else None
-        runs = [r for r in previous["runs"] if r["seed"] not in args.seeds] \
-            if previous and previous["overrides"] == overrides_all else []
-        commands = previous.get("commands", [previous["command"]]) if runs else []
-        for r in runs:  # files written before runs recorded their threads: the file's one figure
-            r.setdefault("threads", previous["torch_threads"])
+        mine = []
         for seed in args.seeds:
             run_dir = (ROOT / args.runs / args.tag / name / f"seed{seed}").resolve()
             overrides = [*CONFIGS[name], *args.overrides, f"seed={seed}"]
@@ -134,11 +139,14 @@ def main(argv=None):
             with open(run_dir / "train.log", "w") as log:
                 subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
             minutes = (time.perf_counter() - start) / 60
-            runs.append({"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
+            mine.append({"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
                          "commit": commit,
                          "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
                          **summarize_run(run_dir)})
-            runs.sort(key=lambda r: r["seed"])
+            # the file is read again now, not before the runs: another invocation adding other seeds
+            # to the same file meanwhile (two queues side by side) keeps its runs
+            others, commands = earlier_runs(out_path, overrides_all, {r["seed"] for r in mine})
+            runs = sorted([*others, *mine], key=lambda r: r["seed"])
             result = {
                 "config": name, "overrides": overrides_all,
                 "seeds": [r["seed"] for r in runs],
@@ -149,7 +157,8 @@ def main(argv=None):
                 "precision": resolved.memory.precision, "cpu_native_bf16": native_bf16(False),
                 "torch": torch.__version__, "torch_threads": sorted({r["threads"] for r in runs}),
                 "machine": platform.processor() or platform.machine(),
-                "commands": [*commands, command(argv)],  # every invocation that added seeds to this file
+                # every invocation that added seeds to this file (this one once, though it writes after each seed)
+                "commands": list(dict.fromkeys([*commands, command(argv)])),
             }
             write_result(str(out_path), result, argv,
                          show={k: result[k] for k in ("config", "seeds", "eval_win_rate", "eval_episode_len", "minutes")})
