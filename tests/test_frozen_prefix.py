@@ -93,20 +93,72 @@ def test_nothing_is_skipped_when_the_lower_part_trains():
 
 
 def test_a_training_iteration_with_frozen_blocks_keeps_the_first_ratio_at_one(tmp_path):
-    """The PPO update with the top block trainable: the first minibatch's ratios are exactly 1 in
-    fp32 with the frozen block replayed from the recompute, and switching the cache off gives the
-    same losses."""
+    """The PPO update with the top block trainable: the frozen block runs only in the rollout (the
+    recompute, the KL reference and the epochs replay the rollout's recording), the first
+    minibatch's ratios are exactly 1 in fp32, and switching the cache off gives the same losses."""
+    import lightning as L
+
     from tests.test_training import config, read_metrics
     import textrl.cli.train as cli
 
-    rows = {}
+    class CountFrozenRuns(L.Callback):
+        """Forwards through the frozen block's own layers in train mode (rollouts run in eval mode)."""
+
+        def __init__(self):
+            self.runs = 0
+
+        def on_fit_start(self, trainer, module):
+            lower = transformer_blocks(module.policy.lm)[0]
+            leaf = next(m for m in lower.modules() if m is not lower and not list(m.children()))
+            leaf.register_forward_pre_hook(lambda m, *_: setattr(self, "runs", self.runs + module.policy.training))
+
+    rows, runs = {}, {}
     for cache in (True, False):
         run = tmp_path / str(cache)
         cfg = config(run, "iterations=1", "eval.every=1", "eval.before_training=false", "model.trainable_layers=1",
-                     "ppo.recompute_old=true", f"ppo.cache_frozen={cache}")
-        result = cli.train(cfg)
+                     "ppo.recompute_old=true", "ppo.kl_coef=0.1", f"ppo.cache_frozen={cache}")
+        counter = CountFrozenRuns()
+        result = cli.train(cfg, callbacks=[counter])
         assert (result["module"].frozen is not None) == cache
-        rows[cache] = next(r for r in read_metrics(run) if r.get("loss/policy"))
+        rows[cache], runs[cache] = next(r for r in read_metrics(run) if r.get("loss/policy")), counter.runs
+    assert runs[True] == 0 and runs[False] > 0
     assert float(rows[True]["policy/first_logratio_max"]) == 0.0
     for key in ("loss/policy", "loss/value", "loss/entropy", "policy/approx_kl", "optim/grad_norm"):
         assert float(rows[True][key]) == pytest.approx(float(rows[False][key]), rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("budget", [1024, 400])  # 400: histories truncate, rows restart in the decoder
+def test_the_rollout_records_the_frozen_output_the_update_replays(budget, easy_games):
+    """The decoder keeps the last frozen block's output at every token it feeds; each training
+    sequence takes over its tokens' outputs, which equal a full forward's, so the update's first
+    forward already skips the frozen block."""
+    torch.manual_seed(0)
+    policy, tokenizer = build_policy(load_model_config("tiny", trainable_layers=1))
+    frozen = FrozenPrefix.of(policy.lm)
+    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    decoder.capture = frozen
+    prompts = PromptBuilder(tokenizer, max_prompt_tokens=budget)
+    episodes, _ = play([TextGame(p, 6) for p in easy_games[:4]], decoder, prompts, temperature=1.0,
+                       seeds=list(range(4)), bootstrap=True)
+    sequences = [s for e in episodes for s in episode_sequences(e)]
+    assert all(step.action.frozen is None for e in episodes for step in e.steps)  # taken over
+    assert len(sequences) >= 4 and all(s.frozen_output is not None for s in sequences)
+    if budget == 400:  # a sequence per restart, each with its own recording
+        assert len(sequences) > len(episodes)
+    for s in sequences:  # it ends at its last decision's position and covers exactly its tokens
+        assert len(s.input_ids) == max(s.positions) + 1 == s.frozen_output.shape[0]
+    pad = tokenizer.pad_token_id
+    captured = [s.frozen_output for s in sequences]
+    for s in sequences:
+        s.frozen_output = None
+        decision_forward(policy, [s], pad, frozen)  # records it from a full forward
+    for mine, full in zip(captured, (s.frozen_output for s in sequences)):
+        assert torch.allclose(mine, full, atol=1e-5)
+    runs = []  # forwards that executed the frozen block's own layers
+    lower = transformer_blocks(policy.lm)[0]
+    leaf = next(m for m in lower.modules() if m is not lower and not list(m.children()))
+    leaf.register_forward_pre_hook(lambda *_: runs.append(1))
+    for s, mine in zip(sequences, captured):
+        s.frozen_output = mine
+    decision_forward(policy, sequences[:2], pad, frozen)
+    assert runs == []

@@ -21,7 +21,7 @@ from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.module import PPOModule
 
 SMALL = ["model=tiny", "env.num_envs=4", "env.pool_size=8", "eval.games=4", "eval.batch=4", "eval.transcripts=2",
-         "eval.train_games=2",
+         "eval.train_games=2", "env.decode_groups=2",  # two groups of two rows: grouped and batched decoding
          "ppo.epochs=2", "ppo.minibatch_size=2", "ppo.grad_accum=2", "trainer.accelerator=cpu"]
 
 

@@ -85,6 +85,9 @@ def test_decode_groups_gives_the_module_a_decoder_per_group(tmp_path):
     cfg = config(tmp_path, "env.decode_groups=3")
     module = PPOModule(cfg, *build_policy(cfg.model))
     assert len(module.decoders) == 3 and len({id(d) for d in module.decoders}) == 3
+    # unset: four groups on a CPU (never more than the envs), one on a GPU (not testable here)
+    assert config(tmp_path, "env.num_envs=16", "env.pool_size=16", "env.decode_groups=null").env.decode_groups == 4
+    assert config(tmp_path, "env.num_envs=2", "env.decode_groups=null").env.decode_groups == 2
 
 
 def test_training_with_step_workers_runs_and_ends_its_workers(tmp_path):

@@ -92,8 +92,10 @@ class EnvConfig:
     # large share of the rollout (many envs, a fast GPU): see perf/rollout_env_s
     step_workers: int = 0
     # the rollout's envs decoded as this many groups, one after the other, each with its own KV cache:
-    # a group pads its chunks to its own longest row, not the batch's (with step_workers: at least 2)
-    decode_groups: int = 1
+    # a group pads its chunks to its own longest row, not the batch's (with step_workers: at least 2).
+    # None: 4 on a CPU, where every padded position costs compute (16 envs: 0.78x the rollout time of
+    # one group, bench/results/decode_groups.json), 1 on a GPU, where batch width is what it is good at
+    decode_groups: Optional[int] = None
 
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
         """These games, shown the way a policy trained on ``policy_env`` saw its own: its prompt
@@ -137,9 +139,10 @@ class PPOConfig:
     # None: only under mixed precision, where the rollout (KV cache, small chunks) and the update
     # (one forward per sequence) round differently; fp32 agrees to ~1e-6 and needs no recompute.
     recompute_old: Optional[bool] = None
-    # run the frozen blocks under the trainable ones once per sequence per iteration: later passes
-    # (PPO epochs, KL reference) replay their recorded output (textrl/policy/frozen_prefix.py). Costs
-    # hidden-size floats per rollout token for the iteration; false runs every pass in full
+    # run the frozen blocks under the trainable ones once per token per iteration, in the rollout:
+    # every pass of the update (old log-probs, KL reference, PPO epochs) replays the rollout's output
+    # of the last frozen block (textrl/policy/frozen_prefix.py). Costs hidden-size floats per rollout
+    # token for the iteration; false runs every pass in full
     cache_frozen: bool = True
     # exploration: at every fork of a training rollout the policy is (1 - explore) x the model's
     # softmax + explore x uniform over the fork's children, in the rollout and in the update alike
@@ -270,7 +273,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ["num_envs", "group_size", "pool_size", "history_len", "workers", "max_steps"]:
         _check(f"env.{key}", getattr(e, key), getattr(e, key) >= 1, "an integer >= 1")
     _check("env.step_workers", e.step_workers, e.step_workers >= 0, "an integer >= 0 (0: no worker processes)")
-    _check("env.decode_groups", e.decode_groups, 1 <= e.decode_groups <= e.num_envs, f"an integer in [1, env.num_envs={e.num_envs}]")
+    _check("env.decode_groups", e.decode_groups, e.decode_groups is None or 1 <= e.decode_groups <= e.num_envs,
+           f"an integer in [1, env.num_envs={e.num_envs}], or null (4 on a CPU, 1 on a GPU)")
     _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= 128, "an integer >= 128")
     _check("env.group_size", e.group_size, e.num_envs % e.group_size == 0,
            f"a divisor of env.num_envs ({e.num_envs}): each game is played group_size times")
@@ -340,6 +344,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     cuda = cfg.trainer.accelerator in {"auto", "gpu", "cuda"} and _cuda_available()
     if m.precision == "auto":
         m.precision = "bf16-mixed" if native_bf16(cuda) else "32-true"
+    if e.decode_groups is None:
+        e.decode_groups = 1 if cuda else min(4, e.num_envs)
     if cfg.ppo.recompute_old is None:
         cfg.ppo.recompute_old = m.precision != "32-true"
     for key, needs, cpu_choice in [

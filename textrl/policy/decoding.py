@@ -27,6 +27,12 @@ are masked, and positions count real tokens only, so every row computes what it 
 (pinned by the tests). When more than a fifth of the cache is holes, each row's live positions are
 gathered to the end of a shorter cache; the keys already carry their positions, so nothing changes
 but the cache's length, which otherwise grows with every turn and every restart.
+
+With ``capture`` (a ``FrozenPrefix``: the model's lower blocks are frozen), every call also keeps the
+last frozen block's output at each row's real tokens, and each action carries its row's tokens and
+outputs so far (``Action.frozen``). The update then replays them (``episode_sequences``) instead of
+running the frozen blocks over the whole rollout a second time to recompute the old log-probs: the
+rollout already computed exactly that function of the same tokens and positions.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
+from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.trie import CommandTrie
 
@@ -60,6 +67,10 @@ class Action:
     command_ids: list[int]  # command tokens + end token, as fed after the prompt
     decisions: list[Decision]
     temperature: float
+    # with the decoder's ``capture``: every token its row's cache holds (this prompt, the earlier
+    # turns it extends, this command up to its last fork) and the last frozen block's outputs over
+    # them, in pieces; ``episode_sequences`` takes them over (and sets this back to None)
+    frozen: tuple[list[int], list[torch.Tensor]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def logprob(self) -> float:
@@ -122,6 +133,7 @@ class ConstrainedDecoder:
     def __init__(self, policy: PolicyValueModel, pad_id: int):
         self.policy = policy
         self.pad_id = pad_id
+        self.capture: FrozenPrefix | None = None  # keep the frozen blocks' outputs (module docstring)
         self.reset()
 
     def reset(self) -> None:
@@ -129,12 +141,23 @@ class ConstrainedDecoder:
         self.mask: torch.Tensor | None = None  # [rows, cached positions]; 0 marks padding / dropped tokens
         self.slots: list = []
         self.fed: list[list[int]] = []  # real tokens already in each row's cache
+        self.captured: list[list[torch.Tensor]] = []  # with ``capture``: the frozen output at each of them
         self.profile = DecodeProfile()  # a new one: play() hands the finished one to its caller
 
-    def _hidden(self, ids, mask, positions, cache, new_mask, phase: str):
-        """The model call, timed and counted under ``phase`` ("prefill" or "fork")."""
+    def _hidden(self, ids, mask, positions, cache, new_mask, phase: str, rows: list[int], chunks: list[list[int]]):
+        """The model call, timed and counted under ``phase`` ("prefill" or "fork"); with ``capture``,
+        the frozen output at each real token (the last ``len(chunk)`` of its row: left padding, so a
+        slice, no device sync) is appended to ``captured`` of ``rows`` (the call's rows)."""
         start = time.perf_counter()
-        out = self.policy.hidden(ids, mask, positions, cache)
+        if self.capture is None:
+            out = self.policy.hidden(ids, mask, positions, cache)
+        else:
+            with self.capture.record() as recorded:
+                out = self.policy.hidden(ids, mask, positions, cache)
+            output = self.capture.recorded_output(recorded)
+            for i, (r, chunk) in enumerate(zip(rows, chunks)):
+                if chunk:
+                    self.captured[r].append(output[i, output.shape[1] - len(chunk):])
         p = self.profile
         setattr(p, f"{phase}_s", getattr(p, f"{phase}_s") + time.perf_counter() - start)
         setattr(p, f"{phase}_tokens", getattr(p, f"{phase}_tokens") + int(new_mask.sum()))
@@ -151,12 +174,14 @@ class ConstrainedDecoder:
             self.cache = self.policy.new_cache()
             self.mask = torch.zeros(len(slots), 0, dtype=torch.long, device=self.device)
             self.fed = [[] for _ in slots]
+            self.captured = [[] for _ in slots]
         elif slots != self.slots:
             rows = [self.slots.index(s) for s in slots]
             index = torch.tensor(rows, device=self.device)
             self.cache.batch_select_indices(index)
             self.mask = self.mask[index]
             self.fed = [self.fed[r] for r in rows]
+            self.captured = [self.captured[r] for r in rows] if self.captured else []
         self.slots = list(slots)
 
     def _chunk(self, chunks: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, ...]:
@@ -180,14 +205,17 @@ class ConstrainedDecoder:
         for fed, chunk in zip(self.fed, chunks):
             fed.extend(chunk)
         self.mask = torch.cat([self.mask, new_mask], dim=1)
-        hidden, self.cache = self._hidden(ids, self.mask, positions, self.cache, new_mask, phase)
+        hidden, self.cache = self._hidden(ids, self.mask, positions, self.cache, new_mask, phase,
+                                          list(range(len(chunks))), chunks)
         return hidden[:, -1]
 
     def _restart(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
         """Feed ``rows`` from scratch with a cache of their own, splice it into the batch's cache in
         place of their old positions; return their hidden states at the chunk end."""
         ids, new_mask, positions = self._chunk(chunks, [0] * len(chunks))
-        hidden, fresh = self._hidden(ids, new_mask, positions, self.policy.new_cache(), new_mask, "prefill")
+        for r in rows:  # their old tokens are dead: the captured outputs start again with the new ones
+            self.captured[r] = []
+        hidden, fresh = self._hidden(ids, new_mask, positions, self.policy.new_cache(), new_mask, "prefill", rows, chunks)
         index = torch.tensor(rows, device=self.device)
         width = ids.shape[1]
         for layer, new in zip(self.cache.layers, fresh.layers):
@@ -263,7 +291,11 @@ class ConstrainedDecoder:
             if not any(chunks):
                 break
             hidden = self._feed(chunks, "fork")
-        return [c.action(temperature) for c in cursors]
+        actions = [c.action(temperature) for c in cursors]
+        if self.capture is not None:
+            for action, fed, captured in zip(actions, self.fed, self.captured):
+                action.frozen = (list(fed), list(captured))
+        return actions
 
     @torch.no_grad()
     def values(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie]) -> list[float]:

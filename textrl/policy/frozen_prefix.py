@@ -1,13 +1,17 @@
-"""The frozen blocks under the trainable ones, run once per sequence per PPO iteration.
+"""The frozen blocks under the trainable ones, run once per token per PPO iteration: in the rollout.
 
 With ``model.trainable_layers=6`` (SmolLM2: 24 of its 30 blocks frozen) every pass over a rollout --
 the recompute of the old log-probs, the KL reference, each PPO epoch -- used to run the 24 frozen
-blocks again on the same tokens, for the same result. Now the first forward of a sequence in an
-iteration records the output of the last frozen block, and every later forward of that sequence makes
-the frozen blocks return the recording instead of computing it: only the trainable blocks (and the
-embedding lookup, which is free) run. The recording *is* the full forward's tensor, so the function
-the update computes does not change -- bitwise when the later forward has the first one's shapes (one
-sequence per forward, ``ppo.minibatch_size=1``, the CPU default).
+blocks again on the same tokens, for the same result. Now the rollout's decoder records the output of
+the last frozen block at every token it feeds (``ConstrainedDecoder.capture``), each training
+sequence takes over its tokens' recordings (``episode_sequences``), and every forward of the update
+makes the frozen blocks return the recording instead of computing it: only the trainable blocks (and
+the embedding lookup, which is free) run. A sequence without a recording (the warm start's, or one
+whose row the decoder restarted mid-sequence) records it in its first forward of the iteration. The
+recording is the frozen blocks' function of the same tokens and positions, computed with the KV
+cache: equal to a full forward's up to rounding, and the update's passes all replay the same tensor,
+so the first minibatch's ratio is still exactly 1 (``ppo.recompute_old``) -- bitwise when the passes
+have the same shapes (one sequence per forward, ``ppo.minibatch_size=1``, the CPU default).
 
 Valid only while nothing at or below the last frozen block trains: ``FrozenPrefix.of`` checks that
 every trainable parameter is registered after the first trainable block starts (Hugging Face models
@@ -49,13 +53,21 @@ class FrozenPrefix:
 
     @contextmanager
     def record(self):
-        """Inside, a forward appends the last frozen block's output to the yielded list."""
+        """Inside, a forward appends the last frozen block's output to the yielded list
+        (``recorded_output`` reads it)."""
         recorded: list = []
         handle = self.blocks[self.n_frozen - 1].register_forward_hook(lambda module, args, out: recorded.append(out))
         try:
             yield recorded
         finally:
             handle.remove()
+
+    def recorded_output(self, recorded: list) -> torch.Tensor:
+        """The one tensor a forward inside ``record`` recorded."""
+        if len(recorded) != 1 or not isinstance(recorded[0], torch.Tensor):
+            raise RuntimeError(f"{type(self.blocks[0]).__name__} blocks do not return one tensor, so their "
+                               f"output cannot be recorded and replayed; run with ppo.cache_frozen=false")
+        return recorded[0]
 
     @contextmanager
     def replay(self, output: torch.Tensor):

@@ -36,13 +36,19 @@ class Sequence:
 
 
 def episode_sequences(episode: Episode) -> list[Sequence]:
+    """The episode's turns merged into sequences (module docstring), each ending at its last
+    decision's position: the tokens after it feed nothing the update reads. When the rollout kept the
+    frozen blocks' outputs (``Action.frozen``), the sequence takes them over as its ``frozen_output``,
+    so that not even its first forward of the iteration runs the frozen blocks."""
     sequences: list[Sequence] = []
+    captured: list[tuple[list[int], list[torch.Tensor]] | None] = []
     current: Sequence | None = None
     for step in episode.steps:
         prefix = step.prompt_ids
         if current is None or current.input_ids != prefix[: len(current.input_ids)]:
             current = Sequence()
             sequences.append(current)
+            captured.append(None)
         current.input_ids += prefix[len(current.input_ids):] + step.action.command_ids
         base = len(prefix)
         for d in step.action.decisions:
@@ -52,7 +58,21 @@ def episode_sequences(episode: Episode) -> list[Sequence]:
             current.old_logprobs.append(d.logprob)
             current.old_values.append(d.value)
             current.temperatures.append(step.action.temperature)
-    return [s for s in sequences if s.tokens]
+        if step.action.frozen is not None:  # the row's cache so far: the sequence's latest covers it all
+            captured[-1], step.action.frozen = step.action.frozen, None
+    out = []
+    for s, capture in zip(sequences, captured):
+        if not s.tokens:
+            continue
+        del s.input_ids[max(s.positions) + 1:]
+        if capture is not None:
+            ids, pieces = capture
+            # the cache holds exactly these tokens unless the decoder restarted the row where the
+            # sequence did not break (then the frozen blocks run in the sequence's first forward)
+            if ids[: len(s.input_ids)] == s.input_ids:
+                s.frozen_output = torch.cat(pieces)[: len(s.input_ids)]
+        out.append(s)
+    return out
 
 
 def decision_forward(policy, batch: list[Sequence], pad_id: int, frozen: FrozenPrefix | None = None):
@@ -78,13 +98,11 @@ def decision_forward(policy, batch: list[Sequence], pad_id: int, frozen: FrozenP
         with frozen.replay(recorded):
             hidden, _ = policy.hidden(ids, mask, positions)
     else:
-        with frozen.record() as outputs:
+        with frozen.record() as recorded:
             hidden, _ = policy.hidden(ids, mask, positions)
-        if len(outputs) != 1 or not isinstance(outputs[0], torch.Tensor):
-            raise RuntimeError(f"{type(frozen.blocks[0]).__name__} blocks do not return one tensor, so their "
-                               f"output cannot be recorded and replayed; run with ppo.cache_frozen=false")
+        output = frozen.recorded_output(recorded)
         for r, s in enumerate(batch):
-            s.frozen_output = outputs[0][r, : len(s.input_ids)].detach()
+            s.frozen_output = output[r, : len(s.input_ids)].detach()
     rows = torch.tensor([r for r, s in enumerate(batch) for _ in s.positions], device=device)
     cols = torch.tensor([c for s in batch for c in s.positions], device=device)
     h = hidden[rows, cols]

@@ -220,6 +220,8 @@ class PPOModule(L.LightningModule):
         was_training = self.policy.training
         self.policy.eval()  # gradient checkpointing (train mode only) would switch the KV cache off
         greedy = seeds is None
+        for decoder in self.decoders:  # training rollouts keep the frozen blocks' outputs for the update
+            decoder.capture = None if greedy else self.frozen
         try:
             with precision:
                 return play(envs, self.decoders, prompts, temperature=temperature, greedy=greedy, seeds=seeds,
