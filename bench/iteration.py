@@ -38,6 +38,7 @@ from hydra import compose, initialize_config_dir
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import CONF_DIR, native_bf16, register_configs, to_train_config
+from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.model import build_policy
 from textrl.training.datamodule import RolloutDataModule
 
@@ -103,8 +104,16 @@ def bounds(cfg, reps: int, rollout_rows: int, length: int) -> dict:
             hidden.float().square().mean().backward()
             policy.zero_grad(set_to_none=True)
 
+        def replayed_forward():  # the recompute of the old log-probs once the rollout recorded the frozen output
+            with torch.no_grad(), frozen.replay(recorded[0]), autocast:
+                policy.hidden(t_ids, t_mask, t_pos)
+
         out["replayed_pass_tokens_per_s"] = rate(replayed_pass, t_ids.numel(), reps)
+        out["replayed_forward_tokens_per_s"] = rate(replayed_forward, t_ids.numel(), reps)
         out["frozen_blocks"] = frozen.n_frozen
+        # commits since the rollout records the frozen output (ConstrainedDecoder.capture): no pass
+        # of the update runs the frozen blocks
+        out["rollout_records_frozen"] = hasattr(ConstrainedDecoder(policy, 0), "capture") and cfg.ppo.cache_frozen
     del policy
     return out
 
@@ -143,12 +152,14 @@ def breakdown(it: dict, b: dict, cfg) -> dict:
     replayed = b.get("replayed_pass_tokens_per_s")
     cache = replayed is not None and getattr(cfg.ppo, "cache_frozen", False)
     # the passes over each sequence an iteration needs: the recompute (a forward) when on, then the
-    # epochs; with the frozen blocks cached, only the first pass over a sequence runs them
+    # epochs; with the frozen blocks cached, only the first pass over a sequence runs them, and none
+    # does once the rollout records them
+    recorded = cache and b.get("rollout_records_frozen", False)
     passes = []
     if cfg.ppo.recompute_old:
-        passes.append(per_pass / b["forward_tokens_per_s"])
+        passes.append(per_pass / (b["replayed_forward_tokens_per_s"] if recorded else b["forward_tokens_per_s"]))
     for e in range(cfg.ppo.epochs):
-        first = e == 0 and not cfg.ppo.recompute_old
+        first = e == 0 and not cfg.ppo.recompute_old and not recorded
         passes.append(per_pass / (b["train_pass_tokens_per_s"] if first or not cache else replayed))
     bound_s = sum(passes)
     taken = r["update_s"] + r["recompute_s"]

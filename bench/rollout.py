@@ -7,7 +7,9 @@ full-vocabulary logits of every position) and reads only the allowed children's,
 decoder does. Both decoders play the same games from the same seeds under the same autocast
 (``memory=auto``: bf16 where the CPU has it); only the decoder differs. Rounds alternate the two
 decoders (cached, naive, cached, naive, ...) so that a slow stretch of the machine hits both; the
-speed-up is the ratio of the median rounds, with the range of each.
+speed-up is the ratio of the median rounds, with the range of each. Both decode the envs in the same
+groups (``--groups``, default training's on a CPU, ``env.decode_groups``), each group its own batch:
+grouping cuts the padding of either method.
 
     python bench/rollout.py                      # model=smollm2, 16 easy environments, 3 rounds
 """
@@ -22,7 +24,7 @@ import statistics
 import torch
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
-from textrl.config import env_options, load_env_config, load_model_config, native_bf16
+from textrl.config import default_decode_groups, env_options, load_env_config, load_model_config, native_bf16
 from textrl.games.env import TextGame
 from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
@@ -69,6 +71,8 @@ def main(argv=None):
     ap.add_argument("--env", "--difficulty", dest="env", default="easy", choices=env_options())
     ap.add_argument("--envs", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="rounds per decoder, alternating (each: every env plays one episode)")
+    ap.add_argument("--groups", type=int, default=None,
+                    help="decode the envs as this many groups, both decoders (default: training's on a CPU)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--precision", default="auto", choices=["auto", "32-true", "bf16-mixed"],
                     help="auto: bf16 autocast where the CPU computes bf16 natively (as training's memory=auto)")
@@ -83,8 +87,9 @@ def main(argv=None):
     policy.eval()
     prompts = PromptBuilder(tokenizer, max_prompt_tokens=2048)
     games = GamePool(GameSpec.from_env(env)).games("eval", args.envs)
-    decoders = {"cached": ConstrainedDecoder(policy, tokenizer.pad_token_id),
-                "naive": NaiveDecoder(policy, tokenizer.pad_token_id)}
+    groups = args.groups or default_decode_groups(args.envs, cuda=False)
+    decoders = {"cached": [ConstrainedDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)],
+                "naive": [NaiveDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]}
     rounds = {name: [] for name in decoders}
     for k in range(args.rounds):
         for name, decoder in decoders.items():  # same games and seeds (round k) for both decoders
@@ -116,6 +121,7 @@ def main(argv=None):
         "summary": summary,
         "model": args.model,
         "envs": args.envs,
+        "groups": groups,
         "env": args.env,
         "rounds": args.rounds,
         "temperature": args.temperature,

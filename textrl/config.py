@@ -345,7 +345,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if m.precision == "auto":
         m.precision = "bf16-mixed" if native_bf16(cuda) else "32-true"
     if e.decode_groups is None:
-        e.decode_groups = 1 if cuda else min(4, e.num_envs)
+        e.decode_groups = default_decode_groups(e.num_envs, cuda)
     if cfg.ppo.recompute_old is None:
         cfg.ppo.recompute_old = m.precision != "32-true"
     for key, needs, cpu_choice in [
@@ -357,6 +357,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check("trainer.accelerator", cfg.trainer.accelerator, cfg.trainer.accelerator not in {"gpu", "cuda"} or cuda,
            "needs a CUDA GPU and none is available; on a CPU use trainer=cpu (or -m sweep=cpu for a sweep)")
     return cfg
+
+
+def default_decode_groups(num_envs: int, cuda: bool) -> int:
+    """``env.decode_groups=null``: one batch on a GPU, 4 groups on a CPU (EnvConfig.decode_groups)."""
+    return 1 if cuda else min(4, num_envs)
 
 
 def _cuda_available() -> bool:

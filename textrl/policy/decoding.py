@@ -156,8 +156,8 @@ class ConstrainedDecoder:
                 out = self.policy.hidden(ids, mask, positions, cache)
             output = self.capture.recorded_output(recorded)
             for i, (r, chunk) in enumerate(zip(rows, chunks)):
-                if chunk:
-                    self.captured[r].append(output[i, output.shape[1] - len(chunk):])
+                if chunk:  # a copy: a view would keep the whole padded chunk alive for the rollout
+                    self.captured[r].append(output[i, output.shape[1] - len(chunk):].clone())
         p = self.profile
         setattr(p, f"{phase}_s", getattr(p, f"{phase}_s") + time.perf_counter() - start)
         setattr(p, f"{phase}_tokens", getattr(p, f"{phase}_tokens") + int(new_mask.sum()))
