@@ -181,7 +181,7 @@ class ConstrainedDecoder:
             self.cache.batch_select_indices(index)
             self.mask = self.mask[index]
             self.fed = [self.fed[r] for r in rows]
-            self.captured = [self.captured[r] for r in rows] if self.captured else []
+            self.captured = [self.captured[r] for r in rows]
         self.slots = list(slots)
 
     def _chunk(self, chunks: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, ...]:
