@@ -238,7 +238,7 @@ class TrainConfig:
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     experiment: Optional[str] = None  # name of the experiment (set by conf/experiment/*), groups sweeps
     seed: int = 0
-    iterations: int = 24  # about 23 minutes on 2 CPU cores with native bf16 (bench/results/learn_easy24_goal_last.json)
+    iterations: int = 24  # about 24 minutes on 2 CPU cores with native bf16 (bench/results/learn_easy24_default.json)
     threads: Optional[int] = None  # torch CPU threads; None keeps torch's default
     cache_dir: Optional[str] = None  # games and converted models; None: $TEXTRL_CACHE or ~/.cache/textrl
     output_dir: str = MISSING  # the run directory (train.yaml sets it to Hydra's output dir)
