@@ -34,6 +34,7 @@ import torch
 import yaml
 
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from result import command, write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import CONF_DIR, native_bf16, register_configs, to_train_config
@@ -90,13 +91,40 @@ def summarize_run(run_dir: Path) -> dict:
     return out
 
 
-def earlier_runs(out_path: Path, overrides: list[str], seeds: set[int]) -> tuple[list[dict], list[str]]:
+# keys of a run's resolved config that do not change what it learns: seeds of one configuration
+# differ in them and still pool
+UNPOOLED = {"seed", "threads", "output_dir", "cache_dir", "ckpt_path"}
+
+
+def differing_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested config dicts."""
+    keys = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            keys += differing_keys(x, y, f"{prefix}{k}.")
+        elif x != y:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def earlier_runs(out_path: Path, overrides: list[str], seeds: set[int],
+                 resolved: dict) -> tuple[list[dict], list[str]]:
     """The runs of other seeds a result file already holds, and the commands that added them, if the
-    file is of the same configuration and overrides (a file of another configuration is replaced)."""
+    file is of the same configuration and overrides (a file of another configuration is replaced).
+    Same overrides at another commit can still mean another config (a default changed since): runs
+    that recorded their resolved config pool only with runs of the same one."""
     previous = json.loads(out_path.read_text()) if out_path.is_file() else None
     if not previous or previous["overrides"] != overrides:
         return [], []
     runs = [r for r in previous["runs"] if r["seed"] not in seeds]
+    for r in runs:
+        if "resolved" in r and differing_keys(r["resolved"], resolved):
+            raise SystemExit(
+                f"{out_path} holds seed {r['seed']} (commit {r['commit']}) of the same overrides but another "
+                f"resolved config ({', '.join(differing_keys(r['resolved'], resolved))} differ): a default "
+                f"changed since. Its seeds would not be one configuration: pass another --tag, or check out "
+                f"that commit to add seeds to it.")
     for r in runs:  # files written before runs recorded their threads: the file's one figure
         r.setdefault("threads", previous["torch_threads"])
     return runs, previous.get("commands", [previous["command"]]) if runs else []
@@ -127,6 +155,10 @@ def main(argv=None):
         out_path = ROOT / "bench" / "results" / f"learn_{args.tag}_{name}.json"
         # threads=N changes how fast a run goes, not what it learns: not part of what the file holds
         overrides_all = [o for o in (*CONFIGS[name], *args.overrides) if not o.startswith("threads=")]
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            config = OmegaConf.to_container(compose("train", overrides=[*CONFIGS[name], *args.overrides]))
+        config = {k: v for k, v in config.items() if k not in UNPOOLED}
+        earlier_runs(out_path, overrides_all, set(args.seeds), config)  # refuses now, not after the runs
         mine = []
         for seed in args.seeds:
             run_dir = (ROOT / args.runs / args.tag / name / f"seed{seed}").resolve()
@@ -140,12 +172,12 @@ def main(argv=None):
                 subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
             minutes = (time.perf_counter() - start) / 60
             mine.append({"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
-                         "commit": commit,
+                         "commit": commit, "resolved": config,
                          "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
                          **summarize_run(run_dir)})
             # the file is read again now, not before the runs: another invocation adding other seeds
             # to the same file meanwhile (two queues side by side) keeps its runs
-            others, commands = earlier_runs(out_path, overrides_all, {r["seed"] for r in mine})
+            others, commands = earlier_runs(out_path, overrides_all, {r["seed"] for r in mine}, config)
             runs = sorted([*others, *mine], key=lambda r: r["seed"])
             result = {
                 "config": name, "overrides": overrides_all,
