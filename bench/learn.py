@@ -76,6 +76,10 @@ def summarize_run(run_dir: Path) -> dict:
         "eval_curve": [[int(float(r["iteration"])), float(r["eval/win_rate"]), float(r["eval/episode_len"])]
                        for r in evals],
         "rollout_win_rate_first_iterations": [float(r["rollout/win_rate"]) for r in rows if r.get("rollout/win_rate")][:3],
+        # the training rollouts' (sampled) win rate and episode length at every iteration: the curve
+        # between evaluations, which a run evaluated rarely (medium_cpu) has no other way to show
+        "rollout_curve": [[int(float(r["iteration"])), float(r["rollout/win_rate"]), float(r["rollout/episode_len"])]
+                          for r in rows if r.get("rollout/win_rate")],
         "iterations": int(float(last["iteration"])),
         "seconds_per_iteration": {"rollout": mean("perf/rollout_s"), "recompute_old": mean("perf/recompute_s"),
                                   "reference": mean("perf/reference_s"), "update": mean("perf/update_s"),
