@@ -123,10 +123,11 @@ def earlier_runs(out_path: Path, overrides: list[str], seeds: set[int],
         return [], []
     runs = [r for r in previous["runs"] if r["seed"] not in seeds]
     for r in runs:
-        if "resolved" in r and differing_keys(r["resolved"], resolved):
+        differ = differing_keys(r["resolved"], resolved) if "resolved" in r else []
+        if differ:
             raise SystemExit(
                 f"{out_path} holds seed {r['seed']} (commit {r['commit']}) of the same overrides but another "
-                f"resolved config ({', '.join(differing_keys(r['resolved'], resolved))} differ): a default "
+                f"resolved config ({', '.join(differ)} differ): a default "
                 f"changed since. Its seeds would not be one configuration: pass another --tag, or check out "
                 f"that commit to add seeds to it.")
     for r in runs:  # files written before runs recorded their threads: the file's one figure
