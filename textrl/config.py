@@ -42,7 +42,7 @@ class ModelConfig:
     # for source=random: a transformers config; empty: the config of the model's own weights
     architecture: dict[str, Any] = field(default_factory=dict)
     init_seed: int = 0  # for source=random
-    attn_implementation: Optional[str] = None  # None: sdpa (see textrl.policy.model.attn_implementation)
+    attn_implementation: Optional[str] = None  # None: PyTorch's SDPA (textrl.policy.model.attn_implementation)
     # train only the top N transformer blocks (+ final norm); None: all. SmolLM2's default of 6 of 30
     # makes backward ~4x cheaper, which is what makes CPU training practical.
     trainable_layers: Optional[int] = 6

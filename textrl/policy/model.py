@@ -145,14 +145,52 @@ def _not_found(cfg: ModelConfig, location: str, exc: Exception) -> ModelNotFound
         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
 
+SDPA = "textrl_sdpa"  # transformers' SDPA, with grouped-query attention done in the kernel on a CPU
+
+
+def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """Transformers' SDPA attention, except on a CPU with a mask and grouped-query attention.
+
+    There transformers copies every cached key and value once per query head group (``repeat_kv``)
+    at every call of every layer, because CUDA's kernels fall back to the slow path for a masked
+    ``enable_gqa``; the decoder always passes a mask (its cache has holes) over a cache of up to
+    ~1,000 positions, so on a CPU those copies were ~13 % of a rollout's profile. The CPU's SDPA
+    kernel takes the key/value heads as they are (``enable_gqa``), with the same result (pinned by
+    tests/test_attention_gqa.py). Everywhere else, transformers' function unchanged.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.device.type != "cpu" or groups == 1 or attention_mask is None or query.shape[2] == 1 \
+            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Make ``SDPA`` a name transformers knows, with SDPA's mask format."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(SDPA, sdpa_attention)
+    AttentionMaskInterface.register(SDPA, sdpa_mask)
+
+
 def attn_implementation(cfg: ModelConfig) -> str:
-    """PyTorch's scaled-dot-product attention unless ``model.attn_implementation`` names another.
+    """PyTorch's scaled-dot-product attention (``sdpa_attention``) unless ``model.attn_implementation``
+    names another.
 
     Never flash attention 2 by default: it refuses fp32 activations (``memory=none`` on a GPU), and
     the decoder's KV cache has holes in its attention mask (docs/gpu.md), a case no test here can
     run. SDPA takes any boolean mask on CPU and CUDA alike.
     """
-    return cfg.attn_implementation or "sdpa"
+    if cfg.attn_implementation:
+        return cfg.attn_implementation
+    register_attention()
+    return SDPA
 
 
 def _weights_location(cfg: ModelConfig, cache_dir: str | Path | None) -> str:
