@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -77,3 +79,26 @@ def test_dropout_is_off_in_train_mode_for_models_whose_config_asks_for_it(name, 
         policy.eval()
         evaluated = policy.logits(policy.hidden(ids, mask, positions)[0])
     assert torch.equal(first, second) and torch.allclose(first, evaluated, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, arch", [
+    ("tiny", {}),
+    ("gpt2", {"n_layer": 1, "n_embd": 64, "n_head": 4}),
+])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_logits_of_a_few_tokens_are_the_full_logits_gathered(name, arch, precision):
+    """The decoder computes only a fork's children's logits (``logits_of``); they must be the
+    logits the update reads from the full vocabulary."""
+    policy, tokenizer = build_policy(load_model_config(name, source="random", architecture=arch))
+    policy.eval()
+    ids = torch.tensor([tokenizer.encode("You are in a kitchen. There is a key here."),
+                        tokenizer.encode("You see a locked chest and a door to the north.")])
+    index = torch.tensor([[5, 17, 17], [900, 3, 41]])
+    autocast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    with torch.no_grad(), autocast:
+        hidden, _ = policy.hidden(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None].expand_as(ids))
+        last = hidden[:, -1]
+        few, full = policy.logits_of(last, index), policy.logits(last)
+    assert few.shape == (2, 3) and few.dtype == torch.float32
+    assert not torch.equal(few[:, 0], few[:, 1])  # distinct tokens, distinct logits: the rows were picked
+    torch.testing.assert_close(few, full.gather(1, index), rtol=0, atol=1e-5 if precision == "fp32" else 0.05)

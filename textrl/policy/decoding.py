@@ -356,17 +356,16 @@ def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], 
            rngs: list[torch.Generator] | None, explore: float = 0.0) -> None:
     """Sample (or take the argmax of) each cursor's fork from the hidden states ``last`` and advance it.
 
-    Only the fork's children leave the device: their logits are gathered there and moved to the
-    CPU once, where each row draws from its own CPU generator. The log-probs are
+    Only the fork's children's logits are computed (``PolicyValueModel.logits_of``), on the device,
+    and moved to the CPU once, where each row draws from its own CPU generator. The log-probs are
     ``log_softmax(logits[allowed] / T)``, what the update recomputes over the same allowed set.
     """
-    logits = policy.logits(last)
     values = policy.value(last).float().cpu()
     children = [sorted(c.node.children) for c in cursors]
     width = max(len(ch) for ch in children)
-    index = torch.tensor([ch + ch[:1] * (width - len(ch)) for ch in children], device=logits.device)
-    valid = torch.tensor([[k < len(ch) for k in range(width)] for ch in children], device=logits.device)
-    scaled = (logits.float().gather(1, index) / temperature).masked_fill(~valid, float("-inf"))
+    index = torch.tensor([ch + ch[:1] * (width - len(ch)) for ch in children], device=last.device)
+    valid = torch.tensor([[k < len(ch) for k in range(width)] for ch in children], device=last.device)
+    scaled = (policy.logits_of(last, index) / temperature).masked_fill(~valid, float("-inf"))
     logp = mix_uniform(torch.log_softmax(scaled, dim=-1), valid, explore).cpu()
     entropy = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
     for i, cursor in enumerate(cursors):

@@ -294,6 +294,16 @@ class PolicyValueModel(nn.Module):
         """Next-token logits for selected hidden states only (never the whole sequence)."""
         return self.lm.get_output_embeddings()(hidden).float()
 
+    def logits_of(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``logits(hidden).gather(1, index)`` without the rest of the vocabulary: the rows of the
+        output embedding that ``index`` [rows, k] names, against each row of ``hidden`` [rows, dim].
+        A fork has a few children; the vocabulary has 49k (SmolLM2) to 151k (Qwen) tokens, whose
+        weight is also re-cast under autocast at every call when it is frozen."""
+        head = self.lm.get_output_embeddings()
+        if type(head) is not nn.Linear or head.bias is not None:  # a wrapped or biased head: the full logits
+            return self.logits(hidden).gather(1, index)
+        return torch.matmul(head.weight[index], hidden.unsqueeze(-1)).squeeze(-1).float()
+
     def value(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.value_head(hidden.detach() if self.detach_value else hidden).float()
 
