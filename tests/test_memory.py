@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import textrl.cli.train as cli
-from textrl.config import ConfigError
+from textrl.config import ConfigError, MemoryConfig
 from textrl.policy.checkpoint import load
+from textrl.policy.memory import make_optimizer
 from tests.test_training import Snapshot, config
 
 # fp32: rollout and update agree to 1e-4 on every decision. Under bf16 they round differently
@@ -89,3 +90,16 @@ def test_lora_checkpoint_merges_for_export(tmp_path):
         assert not any("lora" in n for n, _ in merged.named_parameters())
         assert torch.allclose(merged(ids).logits, expected, atol=1e-4)
     assert (out / "value_head.safetensors").is_file()
+
+
+@pytest.mark.parametrize("precision, fused", [("32-true", True), ("bf16-mixed", True), ("16-mixed", None)])
+def test_adamw_is_fused_except_under_fp16_loss_scaling(precision, fused):
+    # fused: one kernel per step instead of torch's per-tensor loop on a CPU (bench/optimizer.py); not
+    # with 16-mixed, whose warm start clips through Fabric, which refuses optimizers that unscale inside step()
+    layer = torch.nn.Linear(4, 4)
+    optimizer = make_optimizer(list(layer.parameters()), [], MemoryConfig(precision=precision), 1e-3, 1e-3, 0.0)
+    assert optimizer.defaults["fused"] is fused
+    layer(torch.ones(1, 4)).sum().backward()
+    before = layer.weight.detach().clone()
+    optimizer.step()
+    assert not torch.equal(layer.weight, before)
