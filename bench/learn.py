@@ -95,6 +95,10 @@ def summarize_run(run_dir: Path) -> dict:
     return out
 
 
+# a default that changed without a config value changing: since the commit after 75ecf7a,
+# curriculum.replay (0.25) replays lost games without curriculum stages too (before: with stages only).
+# Stored with each run's resolved config: earlier runs lack the key, so they do not pool with later ones
+BEHAVIOUR = {"curriculum_replay_without_stages": True}
 # keys of a run's resolved config that do not change what it learns: seeds of one configuration
 # differ in them and still pool
 UNPOOLED = {"seed", "threads", "output_dir", "cache_dir", "ckpt_path"}
@@ -163,6 +167,7 @@ def main(argv=None):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             config = OmegaConf.to_container(compose("train", overrides=[*CONFIGS[name], *args.overrides]))
         config = {k: v for k, v in config.items() if k not in UNPOOLED}
+        config.update(BEHAVIOUR)
         earlier_runs(out_path, overrides_all, set(args.seeds), config)  # refuses now, not after the runs
         mine = []
         for seed in args.seeds:

@@ -1,5 +1,5 @@
 """The curriculum: training games move through env options on the rolling training win rate,
-recently lost games are replayed, and a resumed run continues at the same stage. Real games; the
+recently lost games are replayed (with or without stages), and a resumed run continues at the same stage. Real games; the
 tiny model for the run."""
 
 from __future__ import annotations
@@ -49,6 +49,20 @@ def test_stage_moves_on_the_rolling_win_rate_and_lost_games_are_replayed(tmp_pat
     assert again.train_env.name == "medium"
     assert again.games_for_iteration(5) == data.games_for_iteration(5)
     assert again.replayed == data.replayed == 2
+
+
+def test_lost_games_are_replayed_without_stages_by_default_and_not_when_switched_off(tmp_path):
+    data = ready(config(tmp_path))  # the default: curriculum.replay=0.25, no stages
+    first = data.games_for_iteration(0)
+    assert not data.record(0.0, [str(first[2])])  # no stage to move to
+    again = data.games_for_iteration(1)
+    assert again[0] == first[2] and data.replayed == 1 and len(set(again)) == 4  # a quarter of 4 games
+    assert data.stage == 0 and data.stage_win_rates == []
+
+    off = ready(config(tmp_path, "curriculum.replay=0"))
+    off.record(0.0, [str(g) for g in off.games_for_iteration(0)])
+    assert off.replayed == 0 and off.games_for_iteration(1) == ready(config(tmp_path, "curriculum.replay=0")).games_for_iteration(1)
+    assert off.replayed == 0
 
 
 def test_bad_curriculum_is_refused_at_start(tmp_path):

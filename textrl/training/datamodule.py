@@ -35,9 +35,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.cfg = cfg
         self.train_games: list[Path] = []
         self.eval_games: list[Path] = []
-        # the curriculum (cfg.curriculum.stages): its stage, the stage's per-iteration training win
-        # rates and its recently lost games; saved in checkpoints (state_dict), so a resumed run
-        # continues at the same stage with the same replays
+        # the curriculum (cfg.curriculum): its stage (cfg.curriculum.stages), the stage's per-iteration
+        # training win rates and its recently lost games (replayed with or without stages); saved in
+        # checkpoints (state_dict), so a resumed run continues at the same stage with the same replays
         self.stage = 0
         self.stage_win_rates: list[float] = []
         self.lost: list[str] = []
@@ -78,16 +78,15 @@ class RolloutDataModule(L.LightningDataModule):
     def games_for_iteration(self, iteration: int) -> list[Path]:
         """This rank's share of the iteration's ``env.num_envs`` episodes: ``num_envs / group_size``
         games, each listed ``group_size`` times in a row. A game's group stays on one rank, so the
-        group baselines (ppo.advantage=grpo|rloo) see all of its episodes. With a curriculum, a
-        ``curriculum.replay`` share of the games are recently lost ones of the stage."""
+        group baselines (ppo.advantage=grpo|rloo) see all of its episodes. A ``curriculum.replay`` share
+        of the games are recently lost ones (of the curriculum's stage, if there is one)."""
         e = self.cfg.env
         n = e.num_envs // e.group_size
         rng = iteration_rng(self.cfg.seed, iteration)
         if e.repeatable:
             games = self.train_games[:n]
         else:
-            replayed = [Path(g) for g in rng.sample(self.lost, min(len(self.lost), round(self.cfg.curriculum.replay * n)))] \
-                if self.cfg.curriculum.stages else []
+            replayed = [Path(g) for g in rng.sample(self.lost, min(len(self.lost), round(self.cfg.curriculum.replay * n)))]
             fresh = [g for g in self.train_games if g not in replayed]
             games = replayed + rng.sample(fresh, n - len(replayed))
             self.replayed = len(replayed)
@@ -101,15 +100,15 @@ class RolloutDataModule(L.LightningDataModule):
         return sum(recent) / len(recent) if recent else None
 
     def record(self, win_rate: float, lost: list[str]) -> bool:
-        """An iteration's training win rate (over all ranks) and this rank's lost games; moves to the
-        next curriculum stage when the stage's last ``curriculum.window`` win rates average at least
-        ``curriculum.threshold``. Returns whether it moved."""
+        """An iteration's training win rate (over all ranks) and this rank's lost games (remembered for
+        replays); moves to the next curriculum stage when the stage's last ``curriculum.window`` win
+        rates average at least ``curriculum.threshold``. Returns whether it moved."""
         c = self.cfg.curriculum
+        self.lost = [g for g in self.lost if g not in set(lost)] + lost
+        del self.lost[: max(0, len(self.lost) - c.replay_size)]
         if not c.stages:
             return False
         self.stage_win_rates.append(win_rate)
-        self.lost = [g for g in self.lost if g not in set(lost)] + lost
-        del self.lost[: max(0, len(self.lost) - c.replay_size)]
         full = len(self.stage_win_rates) >= c.window
         if self.stage + 1 < len(c.stages) and full and self.stage_win_rate >= c.threshold:
             self.stage += 1

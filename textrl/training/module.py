@@ -113,7 +113,7 @@ class PPOModule(L.LightningModule):
         episodes, stats = self.play(games, temperature=temperature, seeds=seeds, env=env)
         rollout_s = time.perf_counter() - start
         stage = data.stage
-        if cfg.curriculum.stages:  # the curriculum moves on the win rate of all ranks' episodes
+        if cfg.curriculum.stages or cfg.curriculum.replay:  # stages move on the win rate of all ranks' episodes
             won = self.trainer.strategy.reduce(torch.tensor([sum(e.won for e in episodes), len(episodes)],
                                                             dtype=torch.float32, device=self.device), reduce_op="sum")
             data.record(float(won[0] / won[1]), [e.game for e in episodes if not e.won])
@@ -195,9 +195,10 @@ class PPOModule(L.LightningModule):
         if self.reference is not None:
             metrics["perf/reference_s"] = reference_s
             metrics["policy/kl_ref"] = sums["kl_ref"] / n
+        if cfg.curriculum.replay and not cfg.env.repeatable:
+            metrics["curriculum/replayed"] = float(data.replayed)  # this iteration's games that were recently lost ones
         if cfg.curriculum.stages:
             metrics["curriculum/stage"] = float(stage)  # the stage this iteration played
-            metrics["curriculum/replayed"] = float(data.replayed)  # its games that were recently lost ones
             if data.stage_win_rate is not None:  # what the next move is decided on (none right after a move)
                 metrics["curriculum/stage_win_rate"] = data.stage_win_rate
         self.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=True)  # means over ranks
