@@ -54,7 +54,8 @@ def test_stage_moves_on_the_rolling_win_rate_and_lost_games_are_replayed(tmp_pat
 def test_lost_games_are_replayed_without_stages_by_default_and_not_when_switched_off(tmp_path):
     data = ready(config(tmp_path))  # the default: curriculum.replay=0.25, no stages
     first = data.games_for_iteration(0)
-    assert not data.record(0.0, [str(first[2])])  # no stage to move to
+    assert not data.record(0.0, [str(first[2])] * 2)  # no stage to move to; a game lost twice is one game
+    assert data.lost == [str(first[2])]
     again = data.games_for_iteration(1)
     assert again[0] == first[2] and data.replayed == 1 and len(set(again)) == 4  # a quarter of 4 games
     assert data.stage == 0 and data.stage_win_rates == []

@@ -104,6 +104,7 @@ class RolloutDataModule(L.LightningDataModule):
         replays); moves to the next curriculum stage when the stage's last ``curriculum.window`` win
         rates average at least ``curriculum.threshold``. Returns whether it moved."""
         c = self.cfg.curriculum
+        lost = list(dict.fromkeys(lost))  # a game of a group (env.group_size) may be lost several times
         self.lost = [g for g in self.lost if g not in set(lost)] + lost
         del self.lost[: max(0, len(self.lost) - c.replay_size)]
         if not c.stages:
