@@ -95,7 +95,7 @@ def summarize_run(run_dir: Path) -> dict:
     return out
 
 
-# a default that changed without a config value changing: since the commit after 75ecf7a,
+# a default that changed without a config value changing: since commit 0c0c08f,
 # curriculum.replay (0.25) replays lost games without curriculum stages too (before: with stages only).
 # Stored with each run's resolved config: earlier runs lack the key, so they do not pool with later ones
 BEHAVIOUR = {"curriculum_replay_without_stages": True}
