@@ -223,8 +223,9 @@ class CurriculumConfig:
     threshold: float = 0.8  # the rolling training win rate that moves on to the next stage
     window: int = 3  # iterations the rolling win rate is taken over (all of them at the current stage)
     # share of each iteration's training games drawn from recently lost ones (fresh games only, not
-    # env.repeatable): on easy, 3 seeds each, 0.93 +- 0.01 held-out wins in 1.99 +- 0.05 steps where
-    # 0 gave 0.90 +- 0.04 in 2.35 +- 0.27 (bench/results/learn_easy24_replay_default.json); 0 switches it off
+    # env.repeatable): on easy, 4 runs, 0.92 +- 0.01 held-out wins in 2.09 +- 0.19 steps where 0 gave
+    # 0.90 +- 0.04 in 2.35 +- 0.27 over 3 (bench/results/learn_easy24_replay_default.json,
+    # learn_easy24_now_default.json); 0 switches it off
     replay: float = 0.25
     replay_size: int = 64  # how many recently lost games (of the current stage) are remembered
 
