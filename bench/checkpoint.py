@@ -18,10 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
+from compose import train_config  # bench/compose.py
 from result import write_result  # bench/result.py (the script directory is on sys.path)
-from textrl.config import CONF_DIR, register_configs, to_train_config
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import build_policy
 from textrl.training.callbacks import AtomicCheckpointIO
@@ -35,9 +33,7 @@ def main(argv=None):
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = to_train_config(compose("train", overrides=["output_dir=unused", *args.overrides]))
+    cfg = train_config(args.overrides)
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
     module = PPOModule(cfg, policy, tokenizer)
     p = cfg.ppo

@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
+from compose import train_config  # bench/compose.py
 from result import write_result  # bench/result.py (the script directory is on sys.path)
-from textrl.config import CONF_DIR, native_bf16, register_configs, to_train_config
+from textrl.config import native_bf16
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.model import build_policy
 from textrl.training.datamodule import RolloutDataModule
@@ -179,12 +179,10 @@ def main(argv=None):
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the training run")
     args = ap.parse_args(argv)
 
-    register_configs()
     run_dir = Path(tempfile.mkdtemp(prefix="textrl_iteration_"))
     overrides = [f"iterations={args.iterations}", f"eval.every={args.iterations}", "eval.before_training=false",
-                 "logger=csv", *args.overrides, f"output_dir={run_dir}"]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = to_train_config(compose("train", overrides=overrides))
+                 "logger=csv", *args.overrides]
+    cfg = train_config(overrides, output_dir=str(run_dir))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     RolloutDataModule(cfg).prepare_data()  # games generated (or found) before any clock starts
@@ -203,7 +201,7 @@ def main(argv=None):
     out = {
         "iteration_wall_s_mean": statistics.fmean(r["wall_s"] for r in rows),
         "iterations": rows, "evaluation_s": eval_s, "run_s": total, "bounds": b,
-        "config": {"overrides": overrides[:-1], "precision": cfg.memory.precision, "num_envs": cfg.env.num_envs,
+        "config": {"overrides": overrides, "precision": cfg.memory.precision, "num_envs": cfg.env.num_envs,
                    "epochs": cfg.ppo.epochs, "minibatch_size": cfg.ppo.minibatch_size,
                    "recompute_old": cfg.ppo.recompute_old, "cache_frozen": getattr(cfg.ppo, "cache_frozen", None),
                    "trainable_layers": cfg.model.trainable_layers},

@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from compose import composed, train_config  # bench/compose.py
 from result import command, write_result  # bench/result.py (the script directory is on sys.path)
-from textrl.config import CONF_DIR, native_bf16, register_configs, to_train_config
+from textrl.config import native_bf16
 from textrl.policy.model import load_tokenizer
 from textrl.training.datamodule import RolloutDataModule
 
@@ -153,9 +153,7 @@ def main(argv=None):
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every configuration")
     args = ap.parse_args(argv)
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        resolved = to_train_config(compose("train", overrides=["output_dir=unused", *args.overrides]))
+    resolved = train_config(args.overrides)
     RolloutDataModule(resolved).prepare_data()  # generate (or find) the games before any clock starts
     load_tokenizer(resolved.model, resolved.cache_dir)  # convert (or find) the model
 
@@ -164,8 +162,7 @@ def main(argv=None):
         out_path = ROOT / "bench" / "results" / f"learn_{args.tag}_{name}.json"
         # threads=N changes how fast a run goes, not what it learns: not part of what the file holds
         overrides_all = [o for o in (*CONFIGS[name], *args.overrides) if not o.startswith("threads=")]
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            config = OmegaConf.to_container(compose("train", overrides=[*CONFIGS[name], *args.overrides]))
+        config = OmegaConf.to_container(composed([*CONFIGS[name], *args.overrides]))
         config = {k: v for k, v in config.items() if k not in UNPOOLED}
         config.update(BEHAVIOUR)
         earlier_runs(out_path, overrides_all, set(args.seeds), config)  # refuses now, not after the runs
