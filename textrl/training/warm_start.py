@@ -147,7 +147,7 @@ def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[st
             with fabric.autocast():
                 nll = -_decision_logprobs(policy, batch[i: i + mb], pad_id).float().sum() / n
             fabric.backward(nll)
-            total += float(nll)
+            total += float(nll.detach())  # for the log only
         fabric.clip_gradients(policy, optimizer, max_norm=cfg.ppo.max_grad_norm, error_if_nonfinite=False)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
