@@ -113,10 +113,9 @@ def update(policy, optimizer, dtype, scaler, device, seq_len, batch):
     with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         hidden, _ = policy.hidden(ids, torch.ones_like(ids), torch.arange(seq_len, device=device)[None].expand_as(ids))
         h = hidden[rows, cols]
-        logits = policy.logits(h)
-        allowed = torch.zeros_like(logits, dtype=torch.bool)
-        allowed[:, :6] = True
         n = len(rows)
+        logits = policy.logits_of(h, torch.arange(6, device=device).expand(n, -1))  # a 6-way fork, as the update
+        allowed = torch.ones_like(logits, dtype=torch.bool)
         terms = ppo_loss(logits, allowed, torch.zeros(n, dtype=torch.long, device=device), torch.ones(n, device=device),
                          torch.full((n,), -1.8, device=device), torch.randn(n, generator=g).to(device),
                          policy.value(h), torch.zeros(n, device=device), 0.2, 0.05, 0.01, normalizer=n)

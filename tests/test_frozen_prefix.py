@@ -31,9 +31,9 @@ def outputs_and_grads(policy, batch, pad_id, frozen=None):
     params = [p for p in policy.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
-    logits, allowed, values, _ = decision_forward(policy, batch, pad_id, frozen)
-    (logits.masked_fill(~allowed, 0).sum() + values.sum()).backward()
-    return logits.detach(), values.detach(), [p.grad.clone() for p in params if p.grad is not None]
+    d = decision_forward(policy, batch, pad_id, frozen)
+    (d.logits.masked_fill(~d.valid, 0).sum() + d.values.sum()).backward()
+    return d.logits.detach(), d.values.detach(), [p.grad.clone() for p in params if p.grad is not None]
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

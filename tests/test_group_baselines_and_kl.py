@@ -48,9 +48,17 @@ def test_kl_over_allowed_tokens_equals_a_direct_computation():
     ref_t = torch.tensor([r + [float("-inf")] * (width - len(r)) for r in ref])
     direct = [sum(float(logp[i, t].exp()) * (float(logp[i, t]) - ref[i][k]) for k, t in enumerate(c))
               for i, c in enumerate(children)]
-    assert kl_over_allowed(logp, index, ref_t).tolist() == pytest.approx(direct, abs=1e-6)
+    assert kl_over_allowed(logp.gather(1, index), ref_t).tolist() == pytest.approx(direct, abs=1e-6)
     same = torch.tensor([[float(logp[i, t]) for t in c] + [float("-inf")] * (width - len(c)) for i, c in enumerate(children)])
-    assert kl_over_allowed(logp, index, same).abs().max() < 1e-6
+    assert kl_over_allowed(logp.gather(1, index), same).abs().max() < 1e-6
+    # as the update calls it: log-probs of the allowed entries only, -inf at the padding; the
+    # padding must not turn the gradient into NaN
+    narrow = logits.gather(1, index).requires_grad_()
+    valid = torch.isfinite(ref_t)
+    kl = kl_over_allowed(torch.log_softmax(narrow.masked_fill(~valid, float("-inf")), -1), ref_t)
+    assert kl.tolist() == pytest.approx(direct, abs=1e-6)
+    kl.sum().backward()
+    assert torch.isfinite(narrow.grad).all() and narrow.grad[~valid].abs().max() == 0
 
 
 def test_group_rollouts_play_each_game_group_size_times_with_different_samples(tmp_path, easy_pool):

@@ -102,3 +102,28 @@ def test_logits_of_a_few_tokens_are_the_full_logits_gathered(name, arch, precisi
     assert few.shape == (2, 3) and few.dtype == torch.float32
     assert not torch.equal(few[:, 0], few[:, 1])  # distinct tokens, distinct logits: the rows were picked
     torch.testing.assert_close(few, full.gather(1, index), rtol=0, atol=1e-5 if precision == "fp32" else 0.05)
+
+
+@pytest.mark.parametrize("name, arch", [
+    ("tiny", {}),
+    ("qwen", {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2}),
+    ("gpt2", {"n_layer": 1, "n_embd": 64, "n_head": 4}),
+])
+def test_hidden_runs_the_lm_without_its_head_and_the_head_reads_it(name, arch):
+    """``hidden`` calls the LM's decoder stack only (the head's cast was a third of an update
+    forward); ``logits`` of its output must be exactly the full model's logits, so the hidden state
+    is the one after the final norm, and a cached call continues it."""
+    policy, tokenizer = build_policy(load_model_config(name, source="random", architecture=arch))
+    policy.eval()
+    ids = torch.tensor([tokenizer.encode("You are in a kitchen. There is a key here, and a locked chest.")])
+    mask, positions = torch.ones_like(ids), torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        hidden, _ = policy.hidden(ids, mask, positions)
+        full = policy.lm(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        assert torch.equal(policy.logits(hidden), full)
+        cache = policy.new_cache()
+        policy.hidden(ids[:, :5], mask[:, :5], positions[:, :5], cache)
+        rest, cache = policy.hidden(ids[:, 5:], mask, positions[:, 5:], cache)
+    assert cache.get_seq_length() == ids.shape[1]
+    torch.testing.assert_close(policy.logits(rest), full[:, 5:], rtol=0, atol=1e-4)

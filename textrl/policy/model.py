@@ -282,13 +282,18 @@ class PolicyValueModel(nn.Module):
 
         ``attention_mask`` covers the cached positions and the new ones; it may have holes (padding
         between chunks), which is why ``position_ids`` are always explicit.
+
+        Runs the LM without its head (``get_decoder``: the stack up to the final norm). Called with
+        the head, even for one position a row, a frozen head's whole [vocabulary x hidden] weight was
+        cast to bf16 at every call under autocast and multiplied out: ~0.2 s a call for SmolLM2 on a
+        2-core CPU, a third of an update's forward (``bench/results/iteration.json``). The logits
+        that are needed come from ``logits_of`` (a fork's children) or ``logits``.
         """
-        out = self.lm(
+        out = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=past_key_values is not None,
-            output_hidden_states=True, logits_to_keep=1,
         )
-        return out.hidden_states[-1], out.past_key_values
+        return out.last_hidden_state, out.past_key_values
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits for selected hidden states only (never the whole sequence)."""

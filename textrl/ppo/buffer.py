@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -75,9 +76,33 @@ def episode_sequences(episode: Episode) -> list[Sequence]:
     return out
 
 
-def decision_forward(policy, batch: list[Sequence], pad_id: int, frozen: FrozenPrefix | None = None):
-    """One right-padded forward over the sequences: (logits, allowed mask, values) at every decision,
-    flat in order, and the number of real tokens fed. Shared by the PPO update and the warm start.
+class Decisions(NamedTuple):
+    """A forward's outputs at the decisions of a batch of sequences, flat in order. Each fork's
+    allowed tokens are one row, padded to the widest fork by repeating its first token (``valid``
+    marks the real entries): the logits of the rest of the vocabulary are never computed, as in the
+    rollout (``PolicyValueModel.logits_of``)."""
+
+    logits: torch.Tensor  # [decisions, width] float32
+    valid: torch.Tensor  # [decisions, width] bool
+    chosen: torch.Tensor  # [decisions] long: the entry (column) of the token taken
+    values: torch.Tensor  # [decisions]
+    fed: int  # real tokens fed (padding left out)
+
+
+def allowed_index(batch: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(index, valid, chosen) of the batch's decisions: each fork's allowed token ids padded to one
+    width by repeating the first, which entries are real, and the column of the token taken."""
+    allowed = [a for s in batch for a in s.allowed]
+    width = max(len(a) for a in allowed)
+    index = torch.tensor([a + a[:1] * (width - len(a)) for a in allowed], device=device)
+    valid = torch.tensor([[k < len(a) for k in range(width)] for a in allowed], device=device)
+    chosen = torch.tensor([a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))], device=device)
+    return index, valid, chosen
+
+
+def decision_forward(policy, batch: list[Sequence], pad_id: int, frozen: FrozenPrefix | None = None) -> Decisions:
+    """One right-padded forward over the sequences: the logits of each decision's allowed tokens
+    and its value (``Decisions``). Shared by the PPO update and the warm start.
 
     With ``frozen``, a batch whose sequences all hold a recorded frozen-block output skips the frozen
     blocks; any other batch runs in full and records it for the sequences' later forwards."""
@@ -106,11 +131,8 @@ def decision_forward(policy, batch: list[Sequence], pad_id: int, frozen: FrozenP
     rows = torch.tensor([r for r, s in enumerate(batch) for _ in s.positions], device=device)
     cols = torch.tensor([c for s in batch for c in s.positions], device=device)
     h = hidden[rows, cols]
-    logits = policy.logits(h)
-    allowed = torch.zeros_like(logits, dtype=torch.bool)
-    pairs = [(i, t) for i, a in enumerate(a for s in batch for a in s.allowed) for t in a]
-    allowed[torch.tensor([i for i, _ in pairs], device=device), torch.tensor([t for _, t in pairs], device=device)] = True
-    return logits, allowed, policy.value(h), int(mask.sum())
+    index, valid, chosen = allowed_index(batch, device)
+    return Decisions(policy.logits_of(h, index), valid, chosen, policy.value(h), int(mask.sum()))
 
 
 def decision_advantages(episode: Episode, values: list[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:

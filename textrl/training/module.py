@@ -42,7 +42,7 @@ from textrl.policy.checkpoint import check_frozen, frozen_fingerprint, frozen_na
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.reference import ReferencePolicy
-from textrl.ppo.buffer import Sequence, add_advantages, decision_forward, episode_sequences, optimizer_steps
+from textrl.ppo.buffer import Decisions, Sequence, add_advantages, decision_forward, episode_sequences, optimizer_steps
 from textrl.ppo.losses import PPOTerms, correlation, explained_variance, ppo_loss
 from textrl.rollout import Episode, RolloutStats, episode_metrics, episode_seeds, play
 from textrl.training.datamodule import iteration_rng
@@ -239,7 +239,7 @@ class PPOModule(L.LightningModule):
             self.game_workers.close()
             self.game_workers = None
 
-    def _forward(self, batch: list[Sequence]):
+    def _forward(self, batch: list[Sequence]) -> Decisions:
         return decision_forward(self.policy, batch, self.tokenizer.pad_token_id, self.frozen)
 
     def _flat(self, batch: list[Sequence], attr: str, dtype=torch.float32) -> torch.Tensor:
@@ -247,43 +247,34 @@ class PPOModule(L.LightningModule):
 
     def _loss(self, batch: list[Sequence], normalizer: float) -> tuple[PPOTerms, int]:
         p = self.cfg.ppo
-        logits, allowed, values, n_tokens = self._forward(batch)
+        d = self._forward(batch)
         reference = None
-        if self.reference is not None:
-            index, _ = self._allowed_index(batch)
-            width = index.shape[1]
-            reference = (index, torch.tensor([r + [float("-inf")] * (width - len(r)) for s in batch for r in s.ref_logprobs],
-                                             device=self.device))
-        terms = ppo_loss(logits, allowed, self._flat(batch, "tokens", torch.long), self._flat(batch, "temperatures"),
-                         self._flat(batch, "old_logprobs"), self._flat(batch, "advantages"), values,
+        if self.reference is not None:  # the reference's log-probs of the same entries, -inf at the padding
+            width = d.logits.shape[1]
+            reference = torch.tensor([r + [float("-inf")] * (width - len(r)) for s in batch for r in s.ref_logprobs],
+                                     device=self.device)
+        terms = ppo_loss(d.logits, d.valid, d.chosen, self._flat(batch, "temperatures"),
+                         self._flat(batch, "old_logprobs"), self._flat(batch, "advantages"), d.values,
                          self._flat(batch, "returns"), p.clip, p.vf_coef if self.uses_value else 0.0, p.ent_coef,
                          normalizer, p.kl_coef, reference, p.explore)
-        return terms, n_tokens
+        return terms, d.fed
 
-    def _allowed_index(self, batch: list[Sequence]) -> tuple[torch.Tensor, list[list[int]]]:
-        """Each decision's allowed token ids, padded to one width by repeating the first one."""
-        allowed = [a for s in batch for a in s.allowed]
-        width = max(len(a) for a in allowed)
-        return torch.tensor([a + a[:1] * (width - len(a)) for a in allowed], device=self.device), allowed
-
-    def _decision_logprobs(self, minibatch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """No-grad forward: log-probs over the vocabulary at every decision (at its temperature), and values."""
-        logits, allowed, values, _ = self._forward(minibatch)
+    def _decision_logprobs(self, minibatch: list[Sequence]) -> tuple[torch.Tensor, Decisions]:
+        """No-grad forward: each decision's log-probs over its allowed tokens (at its temperature),
+        and the forward's outputs."""
+        d = self._forward(minibatch)
         temps = self._flat(minibatch, "temperatures")
-        return masked_logprobs(logits / temps[:, None], allowed, 1.0, self.cfg.ppo.explore), values
+        return masked_logprobs(d.logits / temps[:, None], d.valid, 1.0, self.cfg.ppo.explore), d
 
     @torch.no_grad()
     def _reference_logprobs(self, steps: list[list[list[Sequence]]]) -> None:
         """Store each decision's reference log-probs over its allowed tokens (``Sequence.ref_logprobs``)."""
         with self.reference.active(self.policy.lm):
             for minibatch in (mb for step in steps for mb in step):
-                logp_all, _ = self._decision_logprobs(minibatch)
-                index, allowed = self._allowed_index(minibatch)
-                rows = logp_all.gather(1, index).cpu().tolist()
-                k = 0
+                logp, _ = self._decision_logprobs(minibatch)
+                rows = iter(logp.cpu().tolist())
                 for s in minibatch:
-                    s.ref_logprobs = [row[: len(a)] for row, a in zip(rows[k: k + len(s.tokens)], allowed[k: k + len(s.tokens)])]
-                    k += len(s.tokens)
+                    s.ref_logprobs = [next(rows)[: len(a)] for a in s.allowed]
 
     @torch.no_grad()
     def _recompute_old(self, steps: list[list[list[Sequence]]]) -> dict[str, float]:
@@ -292,9 +283,9 @@ class PPOModule(L.LightningModule):
         rollout's log-probs were from them."""
         worst = 0.0
         for minibatch in (mb for step in steps for mb in step):
-            logp, values = self._decision_logprobs(minibatch)
-            logp = logp.gather(1, self._flat(minibatch, "tokens", torch.long)[:, None]).squeeze(1).cpu()
-            values = values.float().cpu()
+            logp, d = self._decision_logprobs(minibatch)
+            logp = logp.gather(1, d.chosen[:, None]).squeeze(1).cpu()
+            values = d.values.float().cpu()
             k = 0
             for s in minibatch:
                 n = len(s.tokens)

@@ -73,9 +73,8 @@ def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainCo
 
 
 def _decision_logprobs(policy: PolicyValueModel, batch: list[Sequence], pad_id: int) -> torch.Tensor:
-    logits, allowed, _, _ = decision_forward(policy, batch, pad_id)
-    tokens = torch.tensor([t for s in batch for t in s.tokens], device=logits.device)
-    return masked_logprobs(logits, allowed, 1.0).gather(1, tokens[:, None]).squeeze(1)
+    d = decision_forward(policy, batch, pad_id)
+    return masked_logprobs(d.logits, d.valid, 1.0).gather(1, d.chosen[:, None]).squeeze(1)
 
 
 @torch.no_grad()
