@@ -127,3 +127,33 @@ def test_hidden_runs_the_lm_without_its_head_and_the_head_reads_it(name, arch):
         rest, cache = policy.hidden(ids[:, 5:], mask, positions[:, 5:], cache)
     assert cache.get_seq_length() == ids.shape[1]
     torch.testing.assert_close(policy.logits(rest), full[:, 5:], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, arch", [
+    ("tiny", {}),
+    ("qwen", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2}),  # q/k/v biases
+])
+def test_frozen_linears_held_in_the_autocast_dtype_compute_the_same_bits(name, arch):
+    """The rollout holds frozen linear weights in bf16 so that autocast does not cast them at every
+    call: the outputs must be identical, and the fp32 parameters back in place afterwards."""
+    policy, tokenizer = build_policy(load_model_config(name, source="random", architecture=arch, trainable_layers=1))
+    policy.eval()
+    ids = torch.tensor([tokenizer.encode("You are in a kitchen. There is a key here, and a locked chest.")])
+    mask, positions = torch.ones_like(ids), torch.arange(ids.shape[1])[None]
+    before = dict(policy.named_parameters())
+    with policy.frozen_linears_in_autocast_dtype():  # no autocast: nothing changes
+        assert dict(policy.named_parameters()) == before
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        expected = policy.hidden(ids, mask, positions)[0]
+        with policy.frozen_linears_in_autocast_dtype():
+            inside = dict(policy.named_parameters())
+            got = policy.hidden(ids, mask, positions)[0]
+    cast = {n for n, p in inside.items() if p.dtype == torch.bfloat16}
+    assert cast and all(not before[n].requires_grad and before[n].dim() in (1, 2) for n in cast)
+    assert not any("embed" in n or "lm_head" in n for n in cast)  # tied to the fp32 input embeddings
+    assert any(n.endswith("bias") for n in cast) == (name == "qwen")
+    assert all(inside[n] is before[n] for n in before if before[n].requires_grad)  # trainable ones untouched
+    assert torch.equal(got, expected)
+    after = dict(policy.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)

@@ -99,7 +99,7 @@ def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool):
     first = sequences[:2]
     with torch.no_grad():
         terms, _ = module._loss(first, 1.0)
-        _, _, values, _ = module._forward(first)
+        values = module._forward(first).values
     assert terms.log_ratio.numel() >= 2
     assert float(terms.log_ratio.abs().max()) < 1e-4
     assert torch.allclose(values, torch.tensor([x for s in first for x in s.old_values]), atol=1e-4)

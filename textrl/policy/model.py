@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -311,6 +312,40 @@ class PolicyValueModel(nn.Module):
 
     def value(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.value_head(hidden.detach() if self.detach_value else hidden).float()
+
+    @contextmanager
+    def frozen_linears_in_autocast_dtype(self):
+        """Inside, under autocast, the frozen linear layers hold their weights (and biases) in the
+        autocast dtype; outside, or without autocast, nothing changes.
+
+        Autocast keeps the casts of weights that train for as long as its context lasts, but casts a
+        frozen weight again at every call: with SmolLM2's 24 frozen blocks that is ~85 M floats read
+        and written per model call, 6-13 % of a rollout call on a 2-core CPU (more of the small
+        fork-level calls than of the prompt calls). Autocast would compute these layers in that
+        dtype anyway, from the same rounded weights, so the outputs are bit for bit the same (pinned
+        by tests/test_model.py). The copies cost 2 bytes per frozen weight for as long as the
+        context lasts (the rollout), and are made once per context. Output embeddings are left out:
+        tied to the input embeddings, which look up fp32 rows; 4-bit and other non-float weights too.
+        """
+        device = next(self.parameters()).device.type
+        if not torch.is_autocast_enabled(device):
+            yield
+            return
+        dtype = torch.get_autocast_dtype(device)
+        head = self.lm.get_output_embeddings()
+        swapped = []
+        for module in self.lm.modules():
+            if type(module) is not nn.Linear or module is head:
+                continue
+            for name, p in list(module.named_parameters(recurse=False)):
+                if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                    swapped.append((module, name, p))
+                    setattr(module, name, nn.Parameter(p.detach().to(dtype), requires_grad=False))
+        try:
+            yield
+        finally:
+            for module, name, p in swapped:
+                setattr(module, name, p)
 
 
 def transformer_blocks(lm: nn.Module) -> nn.ModuleList:

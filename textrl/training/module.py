@@ -224,7 +224,8 @@ class PPOModule(L.LightningModule):
         for decoder in self.decoders:  # training rollouts keep the frozen blocks' outputs for the update
             decoder.capture = None if greedy else self.frozen
         try:
-            with precision:
+            # frozen weights cast once per rollout, not at every call (frozen_linears_in_autocast_dtype)
+            with precision, self.policy.frozen_linears_in_autocast_dtype():
                 return play(envs, self.decoders, prompts, temperature=temperature, greedy=greedy, seeds=seeds,
                             bootstrap=not greedy, explore=0.0 if greedy else self.cfg.ppo.explore)
         finally:
