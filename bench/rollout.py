@@ -5,7 +5,8 @@ prompt plus the partial command for all environments still choosing, with no KV 
 as fast as that method allows: it computes the logits of the last position only (the seed took the
 full-vocabulary logits of every position) and reads only the allowed children's, as the cached
 decoder does. Both decoders play the same games from the same seeds under the same autocast
-(``memory=auto``: bf16 where the CPU has it); only the decoder differs. Rounds alternate the two
+(``memory=auto``: bf16 where the CPU has it), with the frozen weights held in its dtype as in
+training (``PolicyValueModel.frozen_linears_in_autocast_dtype``); only the decoder differs. Rounds alternate the two
 decoders (cached, naive, cached, naive, ...) so that a slow stretch of the machine hits both; the
 speed-up is the ratio of the median rounds, with the range of each. Both decode the envs in the same
 groups (``--groups``, default training's on a CPU, ``env.decode_groups``), each group its own batch:
@@ -95,7 +96,8 @@ def main(argv=None):
         for name, decoder in decoders.items():  # same games and seeds (round k) for both decoders
             envs = [TextGame(g, env.max_steps) for g in games]
             autocast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
-            with autocast:
+            # both as training's rollouts run: frozen weights cast once per rollout, not per call
+            with autocast, policy.frozen_linears_in_autocast_dtype():
                 _, stats = play(envs, decoder, prompts, temperature=args.temperature,
                                 seeds=episode_seeds(args.seed, k, games))
             row = {"seconds": round(stats.seconds, 2), "decisions": stats.decisions, "turns": stats.turns,

@@ -143,7 +143,7 @@ def evaluate(policy_source: str, env_name: str | None = None, games: int = 64, b
             if policy is None:
                 episodes += play_uniform(envs, seed)[0]
             else:
-                with torch.no_grad(), autocast:
+                with torch.no_grad(), autocast, policy.frozen_linears_in_autocast_dtype():
                     episodes += play(envs, decoder, prompts, greedy=True)[0]
         finally:
             for e in envs:

@@ -352,6 +352,16 @@ def forced_action(trie: CommandTrie, command: str) -> Action:
     return cursor.action(1.0)
 
 
+def fork_index(allowed: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, valid) of forks with these allowed token ids: one row per fork, padded to the widest
+    by repeating its first id, and which entries are real. The rollout (``choose``) and the update
+    (``textrl.ppo.buffer.decision_forward``) read the logits of exactly these entries."""
+    width = max(len(a) for a in allowed)
+    index = torch.tensor([a + a[:1] * (width - len(a)) for a in allowed], device=device)
+    valid = torch.tensor([[k < len(a) for k in range(width)] for a in allowed], device=device)
+    return index, valid
+
+
 def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], temperature: float, greedy: bool,
            rngs: list[torch.Generator] | None, explore: float = 0.0) -> None:
     """Sample (or take the argmax of) each cursor's fork from the hidden states ``last`` and advance it.
@@ -362,9 +372,7 @@ def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], 
     """
     values = policy.value(last).float().cpu()
     children = [sorted(c.node.children) for c in cursors]
-    width = max(len(ch) for ch in children)
-    index = torch.tensor([ch + ch[:1] * (width - len(ch)) for ch in children], device=last.device)
-    valid = torch.tensor([[k < len(ch) for k in range(width)] for ch in children], device=last.device)
+    index, valid = fork_index(children, last.device)
     scaled = (policy.logits_of(last, index) / temperature).masked_fill(~valid, float("-inf"))
     logp = mix_uniform(torch.log_softmax(scaled, dim=-1), valid, explore).cpu()
     entropy = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)

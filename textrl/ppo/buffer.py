@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from textrl.policy.decoding import fork_index
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.ppo.advantages import gae, grpo, rloo, whiten
 from textrl.rollout import Episode
@@ -89,17 +90,6 @@ class Decisions(NamedTuple):
     fed: int  # real tokens fed (padding left out)
 
 
-def allowed_index(batch: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(index, valid, chosen) of the batch's decisions: each fork's allowed token ids padded to one
-    width by repeating the first, which entries are real, and the column of the token taken."""
-    allowed = [a for s in batch for a in s.allowed]
-    width = max(len(a) for a in allowed)
-    index = torch.tensor([a + a[:1] * (width - len(a)) for a in allowed], device=device)
-    valid = torch.tensor([[k < len(a) for k in range(width)] for a in allowed], device=device)
-    chosen = torch.tensor([a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))], device=device)
-    return index, valid, chosen
-
-
 def decision_forward(policy, batch: list[Sequence], pad_id: int, frozen: FrozenPrefix | None = None) -> Decisions:
     """One right-padded forward over the sequences: the logits of each decision's allowed tokens
     and its value (``Decisions``). Shared by the PPO update and the warm start.
@@ -131,7 +121,9 @@ def decision_forward(policy, batch: list[Sequence], pad_id: int, frozen: FrozenP
     rows = torch.tensor([r for r, s in enumerate(batch) for _ in s.positions], device=device)
     cols = torch.tensor([c for s in batch for c in s.positions], device=device)
     h = hidden[rows, cols]
-    index, valid, chosen = allowed_index(batch, device)
+    allowed = [a for s in batch for a in s.allowed]
+    index, valid = fork_index(allowed, device)
+    chosen = torch.tensor([a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))], device=device)
     return Decisions(policy.logits_of(h, index), valid, chosen, policy.value(h), int(mask.sum()))
 
 
