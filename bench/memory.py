@@ -66,7 +66,9 @@ def measure(arch: str, option: str, seq_len: int, batch: int) -> dict:
 
     cuda = torch.cuda.is_available()
     cfg = TrainConfig(output_dir="unused")
-    cfg.model = load_model_config(arch, source="random", trainable_layers=None)
+    # randomly initialised: a model whose own weights hold its tokenizer (smollm2's GGUF) names itself
+    cfg.model = load_model_config(arch, source="random", trainable_layers=None,
+                                  tokenizer_from=load_model_config(arch).tokenizer_from or arch)
     cfg.memory = load_memory_config(option)
     if not cuda and cfg.memory.precision == "16-mixed" and option == "lowmem":
         cfg.memory.precision = "bf16-mixed"  # the seed's combination without fp16, as on any CPU
@@ -115,8 +117,8 @@ def update(policy, optimizer, dtype, scaler, device, seq_len, batch):
         h = hidden[rows, cols]
         n = len(rows)
         logits = policy.logits_of(h, torch.arange(6, device=device).expand(n, -1))  # a 6-way fork, as the update
-        allowed = torch.ones_like(logits, dtype=torch.bool)
-        terms = ppo_loss(logits, allowed, torch.zeros(n, dtype=torch.long, device=device), torch.ones(n, device=device),
+        valid = torch.ones_like(logits, dtype=torch.bool)
+        terms = ppo_loss(logits, valid, torch.zeros(n, dtype=torch.long, device=device), torch.ones(n, device=device),
                          torch.full((n,), -1.8, device=device), torch.randn(n, generator=g).to(device),
                          policy.value(h), torch.zeros(n, device=device), 0.2, 0.05, 0.01, normalizer=n)
     loss = terms.loss

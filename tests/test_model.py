@@ -157,3 +157,13 @@ def test_frozen_linears_held_in_the_autocast_dtype_compute_the_same_bits(name, a
     assert torch.equal(got, expected)
     after = dict(policy.named_parameters())
     assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+
+
+def test_a_random_smollm2_takes_the_architecture_of_its_gguf_weights():
+    """``source=random`` with no architecture builds the model's own architecture, randomly
+    initialised; for SmolLM2 that architecture is in the GGUF's converted copy (no hub id)."""
+    real, _ = build_policy(load_model_config("smollm2"))
+    policy, tokenizer = build_policy(load_model_config("smollm2", source="random", tokenizer_from="smollm2"))
+    assert policy.lm.config.num_hidden_layers == real.lm.config.num_hidden_layers == 30
+    assert len(tokenizer) == policy.lm.config.vocab_size
+    assert not torch.equal(policy.lm.get_input_embeddings().weight, real.lm.get_input_embeddings().weight)

@@ -195,7 +195,10 @@ def attn_implementation(cfg: ModelConfig) -> str:
 
 
 def _weights_location(cfg: ModelConfig, cache_dir: str | Path | None) -> str:
-    return str(_converted_gguf(cfg, cache_dir)) if cfg.source == "gguf" else _hub_location(cfg)
+    """Where the model's own weights (and config) are: the GGUF's converted copy for a GGUF model,
+    also when ``source=random`` asks only for its architecture; else the hub id or local path."""
+    gguf = cfg.source == "gguf" or (cfg.source == "random" and cfg.gguf_file)
+    return str(_converted_gguf(cfg, cache_dir)) if gguf else _hub_location(cfg)
 
 
 def without_dropout(config):
