@@ -56,7 +56,7 @@ def main(argv=None):
             games = GamePool(GameSpec.from_env(env), workers=env.workers).games("train", n)
             seeds = episode_seeds(args.seed, 0, games)
             for where, groups in [*(("process", g) for g in args.groups), ("workers", 2)]:
-                decoders = [ConstrainedDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]
+                decoders = [ConstrainedDecoder(policy) for _ in range(groups)]
                 envs = workers.open(games, env) if where == "workers" else [open_game(g, env) for g in games]
                 with torch.no_grad(), autocast:
                     episodes, stats = play(envs, decoders, prompts, seeds=seeds)

@@ -113,7 +113,7 @@ def bounds(cfg, reps: int, rollout_rows: int, length: int) -> dict:
         out["frozen_blocks"] = frozen.n_frozen
         # commits since the rollout records the frozen output (ConstrainedDecoder.capture): no pass
         # of the update runs the frozen blocks
-        out["rollout_records_frozen"] = hasattr(ConstrainedDecoder(policy, 0), "capture") and cfg.ppo.cache_frozen
+        out["rollout_records_frozen"] = hasattr(ConstrainedDecoder(policy), "capture") and cfg.ppo.cache_frozen
     del policy
     return out
 

@@ -89,7 +89,7 @@ def main(argv=None):
     prompts = PromptBuilder(tokenizer, max_prompt_tokens=2048)
     games = GamePool(GameSpec.from_env(env)).games("eval", args.envs)
     groups = args.groups or default_decode_groups(args.envs, cuda=False)
-    decoders = {"cached": [ConstrainedDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)],
+    decoders = {"cached": [ConstrainedDecoder(policy) for _ in range(groups)],
                 "naive": [NaiveDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]}
     rounds = {name: [] for name in decoders}
     for k in range(args.rounds):
@@ -104,7 +104,7 @@ def main(argv=None):
                    "decisions_per_s": stats.decisions_per_s, "env_s": round(stats.env_s, 2)}
             if stats.decode is not None:  # the cached decoder's profile: tokens fed, model time
                 d = stats.decode
-                row.update(tokens=d.tokens, model_calls=d.calls, padded_tokens=d.padded_tokens,
+                row.update(tokens=d.tokens, model_calls=d.calls,
                            tokens_per_model_s=d.tokens / max(d.prefill_s + d.fork_s, 1e-9))
             rounds[name].append(row)
             print(name, k, row, flush=True)

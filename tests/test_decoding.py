@@ -19,7 +19,7 @@ def trie_for(obs, prompts):
 def test_only_admissible_commands_are_ever_emitted(tiny, prompts, easy_games, temperature):
     """64 samples per state, two states per game, 24 games: 3072 samples per temperature."""
     policy, tokenizer = tiny
-    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    decoder = ConstrainedDecoder(policy)
     rngs = [torch.Generator().manual_seed(1000 + i) for i in range(64)]
     rng = random.Random(0)
     emitted = set()
@@ -49,7 +49,7 @@ def test_mixed_batch_gives_the_same_logprobs_as_each_environment_alone(tiny, pro
     games = easy_games[:8]
 
     def greedy(paths):
-        decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+        decoder = ConstrainedDecoder(policy)
         episodes, _ = play([TextGame(p, 8) for p in paths], decoder, prompts, greedy=True)
         return episodes
 
@@ -75,7 +75,7 @@ def test_sampled_commands_depend_only_on_the_episode_seed_not_on_the_batch(tiny,
     seeds = episode_seeds(7, 3, games)
 
     def sample(indices, seed_of=lambda i: seeds[i]):
-        decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+        decoder = ConstrainedDecoder(policy)
         episodes, _ = play([TextGame(games[i], 8) for i in indices], decoder, prompts, temperature=1.5,
                            seeds=[seed_of(i) for i in indices])
         return {i: [s.action.command for s in e.steps] for i, e in zip(indices, episodes)}
@@ -116,7 +116,7 @@ def assert_matches_fresh_forward(policy, episodes, temperature):
 
 def test_recorded_logprobs_match_a_fresh_full_forward(tiny, prompts, easy_games):
     policy, tokenizer = tiny
-    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    decoder = ConstrainedDecoder(policy)
     episodes, stats = play([TextGame(p, 8) for p in easy_games[:6]], decoder, prompts, temperature=0.7,
                            seeds=list(range(6)))
     assert assert_matches_fresh_forward(policy, episodes, 0.7) == stats.decisions > 10
@@ -127,7 +127,7 @@ def test_truncated_history_drops_the_cached_row_and_stays_exact(tiny, easy_games
 
     policy, tokenizer = tiny
     short = PromptBuilder(tokenizer, max_prompt_tokens=400)
-    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    decoder = ConstrainedDecoder(policy)
     episodes, stats = play([TextGame(p, 8) for p in easy_games[4:7]], decoder, short, greedy=True)
     restarts = sum(step.prompt_ids[: len(prev.prompt_ids)] != prev.prompt_ids
                    for e in episodes for prev, step in zip(e.steps, e.steps[1:]))
@@ -135,12 +135,12 @@ def test_truncated_history_drops_the_cached_row_and_stays_exact(tiny, easy_games
     assert assert_matches_fresh_forward(policy, episodes, 1.0) == stats.decisions
 
 
-def test_a_row_restarting_beside_continuing_rows_is_fed_alone_and_the_cache_compacts(tiny, prompts, easy_games):
+def test_a_row_restarting_beside_continuing_rows_stays_exact_and_keeps_no_dead_positions(tiny, prompts, easy_games):
     """Turn 2: rows 0 and 2 extend their turn-1 prompts, row 1 gets another game's prompt (as after
-    a history truncation). Every decision must equal a fresh forward, and the cache must not keep
-    row 1's dead turn-1 positions next to a batch-wide copy of its new prompt's width."""
+    a history truncation). Every decision must equal a fresh forward, and each row's cache must hold
+    exactly its own tokens: not row 1's dead turn-1 positions, nor any padding."""
     policy, tokenizer = tiny
-    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    decoder = ConstrainedDecoder(policy)
     envs = [TextGame(p, 8) for p in easy_games[:3]]
     first = []
     for env in envs:
@@ -162,11 +162,8 @@ def test_a_row_restarting_beside_continuing_rows_is_fed_alone_and_the_cache_comp
             logp, value = fresh_forward(policy, step, d, 1.0)
             assert float(logp[d.token]) == pytest.approx(d.logprob, abs=1e-5)
             assert value == pytest.approx(d.value, abs=1e-5)
-    longest_first = max(len(p) for p, _ in first)
     assert decoder.fed[1][: len(second[1][0])] == second[1][0]
-    # fed in the common batch, row 1's new prompt would have added its full width to every row
-    assert decoder.mask.shape[1] < longest_first + len(second[1][0])
-    assert decoder.mask.shape[1] <= max(len(f) for f in decoder.fed) * 6 // 5 + 1
+    assert decoder.cache.lengths == [len(f) for f in decoder.fed]
 
 
 def test_greedy_takes_the_most_likely_token_and_scores_sum_to_one(tiny, prompts, easy_games):
@@ -175,7 +172,7 @@ def test_greedy_takes_the_most_likely_token_and_scores_sum_to_one(tiny, prompts,
     obs = env.reset()
     trie = trie_for(obs, prompts)
     prompt = prompts.build(obs, env.history)
-    (action,) = ConstrainedDecoder(policy, tokenizer.pad_token_id).act([0], [prompt], [trie], greedy=True)
+    (action,) = ConstrainedDecoder(policy).act([0], [prompt], [trie], greedy=True)
     step = type("S", (), {"prompt_ids": prompt, "action": action})
     for d in action.decisions:
         logp, _ = fresh_forward(policy, step, d, 1.0)
@@ -218,7 +215,7 @@ def test_gpt2_and_qwen_architectures_decode_exactly(name, layers, easy_games):
     policy.eval()
     assert policy.lm.config.model_type == {"gpt2": "gpt2", "qwen": "qwen2"}[name]
     prompts = PromptBuilder(tokenizer)
-    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    decoder = ConstrainedDecoder(policy)
     episodes, stats = play([TextGame(p, 3) for p in easy_games[:3]], decoder, prompts, temperature=1.0,
                            seeds=[0, 1, 2])
     assert all(s.action.command in s.observation.admissible_commands for e in episodes for s in e.steps)
@@ -228,7 +225,7 @@ def test_gpt2_and_qwen_architectures_decode_exactly(name, layers, easy_games):
 def test_the_decode_profile_counts_every_real_token_fed_and_the_games_time(tiny, prompts, easy_games):
     """perf/rollout_tokens and the phase seconds: what the decoder fed, split into prompt and fork calls."""
     policy, tokenizer = tiny
-    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    decoder = ConstrainedDecoder(policy)
     envs = [TextGame(p, 3) for p in easy_games[:4]]
     for env in envs:
         env.reset()
@@ -242,7 +239,7 @@ def test_the_decode_profile_counts_every_real_token_fed_and_the_games_time(tiny,
     assert p.tokens == sum(len(f) for f in decoder.fed)
     assert p.prefill_tokens >= sum(len(x) for x in prompt_ids) and p.fork_tokens == p.tokens - p.prefill_tokens
     forks = max(len(a.decisions) for a in actions)  # one call per fork level after the first, fed or not
-    assert 1 <= p.calls <= forks and p.padded_tokens >= p.tokens
+    assert 1 <= p.calls <= forks
     assert p.prefill_s > 0 and (p.fork_s > 0) == (p.calls > 1) and p.choose_s > 0
 
     episodes, stats = play([TextGame(g, 3) for g in easy_games[:4]], decoder, prompts, seeds=[1, 2, 3, 4])

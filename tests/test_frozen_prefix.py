@@ -21,7 +21,7 @@ ARCHITECTURES = {  # two blocks each, the lower one frozen: every family's own c
 
 
 def sequences_of(policy, tokenizer, games, max_steps=3):
-    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    decoder = ConstrainedDecoder(policy)
     episodes, _ = play([TextGame(p, max_steps) for p in games], decoder, PromptBuilder(tokenizer), temperature=1.0,
                        seeds=list(range(len(games))), bootstrap=True)
     return [s for e in episodes for s in episode_sequences(e)]
@@ -135,7 +135,7 @@ def test_the_rollout_records_the_frozen_output_the_update_replays(budget, easy_g
     torch.manual_seed(0)
     policy, tokenizer = build_policy(load_model_config("tiny", trainable_layers=1))
     frozen = FrozenPrefix.of(policy.lm)
-    decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+    decoder = ConstrainedDecoder(policy)
     decoder.capture = frozen
     prompts = PromptBuilder(tokenizer, max_prompt_tokens=budget)
     episodes, _ = play([TextGame(p, 6) for p in easy_games[:4]], decoder, prompts, temperature=1.0,

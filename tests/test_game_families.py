@@ -79,7 +79,7 @@ def test_only_admissible_commands_and_disjoint_splits(option, tiny):
     from textrl.games.prompt import PromptBuilder
 
     prompts = PromptBuilder.for_env(tokenizer, env, max_prompt_tokens=4096)
-    episodes, _ = play([open_game(p, env) for p in evals], ConstrainedDecoder(policy, tokenizer.pad_token_id),
+    episodes, _ = play([open_game(p, env) for p in evals], ConstrainedDecoder(policy),
                        prompts, temperature=1.0, seeds=[1, 2])
     assert all(e.steps for e in episodes)
     assert all(s.action.command in s.observation.admissible_commands for e in episodes for s in e.steps)

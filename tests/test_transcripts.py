@@ -22,7 +22,7 @@ def test_rows_hold_each_step_with_the_policys_alternatives(tiny, prompts, easy_g
     policy, tokenizer = tiny
     envs = [TextGame(g, 3) for g in easy_games[:2]]
     with torch.no_grad():
-        episodes, _ = play(envs, ConstrainedDecoder(policy, tokenizer.pad_token_id), prompts, greedy=True)
+        episodes, _ = play(envs, ConstrainedDecoder(policy), prompts, greedy=True)
     rows = transcript_rows(episodes, policy, prompts, top=2)
     steps = [s for e in episodes for s in e.steps]
     assert len(rows) == len(steps) > 2

@@ -41,7 +41,7 @@ def test_a_rollout_on_workers_or_in_groups_is_the_rollout_in_one_batch(tiny, pro
     for envs, groups in (([open_game(g, env) for g in games], 1), (workers.open(games, env), 2),
                          ([open_game(g, env) for g in games], 4)):  # in process, four groups (env.decode_groups)
         # on workers: two groups, each with its decoder, one group stepping while the other decodes
-        decoders = [ConstrainedDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]
+        decoders = [ConstrainedDecoder(policy) for _ in range(groups)]
         with torch.no_grad():
             episodes, stats = play(envs, decoders, prompts, seeds=seeds, bootstrap=True)
         runs.append(steps_of(episodes))

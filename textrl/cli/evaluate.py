@@ -135,7 +135,7 @@ def evaluate(policy_source: str, env_name: str | None = None, games: int = 64, b
             autocast = torch.autocast(device, dtype=dtype)
         policy.to(device).eval()
         prompts = PromptBuilder.for_env(tokenizer, env)
-        decoder = ConstrainedDecoder(policy, tokenizer.pad_token_id)
+        decoder = ConstrainedDecoder(policy)
     episodes: list[Episode] = []
     for start in range(0, len(paths), batch):
         envs = [open_game(p, env) for p in paths[start:start + batch]]

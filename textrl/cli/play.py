@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         env_cfg = load_env_config(args.env or "easy")
         if args.model or args.checkpoint:
             policy, prompts, env_cfg = _load_player(args)
-            decoder = ConstrainedDecoder(policy, prompts.tokenizer.pad_token_id)
+            decoder = ConstrainedDecoder(policy)
         path = args.game_file or GamePool(GameSpec.from_env(env_cfg)).games(args.split, 1, start=args.game)[0]
         env = open_game(path, env_cfg)
     except (CheckpointError, ModelNotFoundError, ValueError) as exc:  # ConfigError and GameFileError too

@@ -38,6 +38,7 @@ rollout already computed exactly that function of the same tokens and positions.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, fields
@@ -46,6 +47,7 @@ import torch
 
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
+from textrl.policy.ragged_cache import RaggedCache
 from textrl.policy.trie import CommandTrie
 
 
@@ -106,7 +108,6 @@ class DecodeProfile:
     fork_s: float = 0.0  # model calls feeding the token chosen at a fork and the forced chain after it
     fork_tokens: int = 0
     calls: int = 0  # model calls of both kinds
-    padded_tokens: int = 0  # positions those calls computed, padding included
     choose_s: float = 0.0  # reading the allowed children's logits and drawing
 
     @classmethod
@@ -130,40 +131,17 @@ class ConstrainedDecoder:
     episodes); a slot that was not in the previous call resets the cache.
     """
 
-    def __init__(self, policy: PolicyValueModel, pad_id: int):
+    def __init__(self, policy: PolicyValueModel):
         self.policy = policy
-        self.pad_id = pad_id
         self.capture: FrozenPrefix | None = None  # keep the frozen blocks' outputs (module docstring)
         self.reset()
 
     def reset(self) -> None:
-        self.cache = None
-        self.mask: torch.Tensor | None = None  # [rows, cached positions]; 0 marks padding / dropped tokens
+        self.cache: RaggedCache | None = None
         self.slots: list = []
         self.fed: list[list[int]] = []  # real tokens already in each row's cache
         self.captured: list[list[torch.Tensor]] = []  # with ``capture``: the frozen output at each of them
         self.profile = DecodeProfile()  # a new one: play() hands the finished one to its caller
-
-    def _hidden(self, ids, mask, positions, cache, new_mask, phase: str, rows: list[int], chunks: list[list[int]]):
-        """The model call, timed and counted under ``phase`` ("prefill" or "fork"); with ``capture``,
-        the frozen output at each real token (the last ``len(chunk)`` of its row: left padding, so a
-        slice, no device sync) is appended to ``captured`` of ``rows`` (the call's rows)."""
-        start = time.perf_counter()
-        if self.capture is None:
-            out = self.policy.hidden(ids, mask, positions, cache)
-        else:
-            with self.capture.record() as recorded:
-                out = self.policy.hidden(ids, mask, positions, cache)
-            output = self.capture.recorded_output(recorded)
-            for i, (r, chunk) in enumerate(zip(rows, chunks)):
-                if chunk:  # a copy: a view would keep the whole padded chunk alive for the rollout
-                    self.captured[r].append(output[i, output.shape[1] - len(chunk):].clone())
-        p = self.profile
-        setattr(p, f"{phase}_s", getattr(p, f"{phase}_s") + time.perf_counter() - start)
-        setattr(p, f"{phase}_tokens", getattr(p, f"{phase}_tokens") + int(new_mask.sum()))
-        p.calls += 1
-        p.padded_tokens += ids.numel()
-        return out
 
     @property
     def device(self) -> torch.device:
@@ -171,102 +149,62 @@ class ConstrainedDecoder:
 
     def _select(self, slots: list) -> None:
         if self.cache is None or not set(slots) <= set(self.slots):
-            self.cache = self.policy.new_cache()
-            self.mask = torch.zeros(len(slots), 0, dtype=torch.long, device=self.device)
+            # one padded attention call per layer on a GPU, one per row elsewhere (ragged_cache docstring)
+            self.cache = RaggedCache(len(slots), self.device, batched=self.device.type != "cpu")
             self.fed = [[] for _ in slots]
             self.captured = [[] for _ in slots]
         elif slots != self.slots:
             rows = [self.slots.index(s) for s in slots]
-            index = torch.tensor(rows, device=self.device)
-            self.cache.batch_select_indices(index)
-            self.mask = self.mask[index]
+            self.cache.select(rows)
             self.fed = [self.fed[r] for r in rows]
             self.captured = [self.captured[r] for r in rows]
         self.slots = list(slots)
 
-    def _chunk(self, chunks: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, ...]:
-        """Token ids, mask and position ids of the rows' chunks, left-padded to one width."""
-        width = max(len(c) for c in chunks)
-        ids = torch.full((len(chunks), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(chunks), width, dtype=torch.long)
-        positions = torch.zeros(len(chunks), width, dtype=torch.long)
-        for r, (chunk, start) in enumerate(zip(chunks, starts)):
-            n = len(chunk)
-            if n:
-                ids[r, width - n:] = torch.tensor(chunk)
-                mask[r, width - n:] = 1
-                positions[r, width - n:] = torch.arange(start, start + n)
-        device = self.device
-        return ids.to(device), mask.to(device), positions.to(device)
-
     def _feed(self, chunks: list[list[int]], phase: str) -> torch.Tensor:
-        """Append each row's tokens (left-padded into one chunk); return the hidden state at the chunk end."""
-        ids, new_mask, positions = self._chunk(chunks, [len(f) for f in self.fed])
+        """Append each row's tokens to its cache in one packed model call, timed and counted under
+        ``phase`` ("prefill" or "fork"); return the hidden state after each row's last token (a row
+        fed nothing gets another row's: its state is not read). With ``capture``, the frozen output
+        at each token is appended to its row's ``captured``."""
+        new = [len(c) for c in chunks]
+        device = self.device
+        ids = torch.tensor([[t for c in chunks for t in c]], device=device)
+        positions = torch.tensor([[k for f, c in zip(self.fed, chunks) for k in range(len(f), len(f) + len(c))]],
+                                 device=device)
+        start = time.perf_counter()
+        if self.capture is None:
+            hidden = self.policy.hidden_packed(ids, positions, self.cache, new)
+        else:
+            with self.capture.record() as recorded:
+                hidden = self.policy.hidden_packed(ids, positions, self.cache, new)
+            output = self.capture.recorded_output(recorded)[0]
+            offset = 0
+            for r, n in enumerate(new):  # views: the packed output holds real tokens only
+                if n:
+                    self.captured[r].append(output[offset:offset + n])
+                offset += n
+        p = self.profile
+        setattr(p, f"{phase}_s", getattr(p, f"{phase}_s") + time.perf_counter() - start)
+        setattr(p, f"{phase}_tokens", getattr(p, f"{phase}_tokens") + ids.shape[1])
+        p.calls += 1
         for fed, chunk in zip(self.fed, chunks):
             fed.extend(chunk)
-        self.mask = torch.cat([self.mask, new_mask], dim=1)
-        hidden, self.cache = self._hidden(ids, self.mask, positions, self.cache, new_mask, phase,
-                                          list(range(len(chunks))), chunks)
-        return hidden[:, -1]
-
-    def _restart(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
-        """Feed ``rows`` from scratch with a cache of their own, splice it into the batch's cache in
-        place of their old positions; return their hidden states at the chunk end."""
-        ids, new_mask, positions = self._chunk(chunks, [0] * len(chunks))
-        for r in rows:  # their old tokens are dead: the captured outputs start again with the new ones
-            self.captured[r] = []
-        hidden, fresh = self._hidden(ids, new_mask, positions, self.policy.new_cache(), new_mask, "prefill", rows, chunks)
-        index = torch.tensor(rows, device=self.device)
-        width = ids.shape[1]
-        for layer, new in zip(self.cache.layers, fresh.layers):
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                grown = torch.cat([old, old.new_zeros(*old.shape[:2], width, old.shape[3])], dim=2)
-                grown[index, :, -width:] = getattr(new, name)
-                setattr(layer, name, grown)
-        self.mask[index] = 0
-        self.mask = torch.cat([self.mask, torch.zeros_like(new_mask[:1]).expand(len(self.fed), -1)], dim=1)
-        self.mask[index, -width:] = new_mask
-        for r, chunk in zip(rows, chunks):
-            self.fed[r] = list(chunk)
-        return hidden[:, -1]
-
-    def _compact(self) -> None:
-        """Drop the cache's holes once they are over a fifth of it: each row's live positions move, in
-        order, to the end of a cache as long as the longest row (shorter rows get leading holes)."""
-        live = self.mask.bool()
-        length = int(live.sum(1).max())
-        if self.mask.shape[1] - length <= self.mask.shape[1] // 5:
-            return
-        # a stable sort puts each row's holes first and its live positions after, in their order
-        index = torch.sort(live.int(), dim=1, stable=True).indices[:, -length:]
-        self.mask = self.mask.gather(1, index)
-        for layer in self.cache.layers:
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                setattr(layer, name, old.gather(2, index[:, None, :, None].expand(*old.shape[:2], length, old.shape[3])))
+        last = [max(e - 1, 0) for e in itertools.accumulate(new)]
+        return hidden[0, torch.tensor(last, device=device)]
 
     def _prefill(self, slots: list, prompts: list[list[int]], cursors: list["Cursor"]) -> torch.Tensor:
         """Feed each row what its cache lacks of its prompt, plus the forced tokens up to its first
-        fork; return the hidden state there (the state the first decision and its value read)."""
+        fork; return the hidden state there (the state the first decision and its value read). A row
+        whose prompt does not extend what it holds (its history was truncated) starts again from
+        position 0, in the same call."""
         self._select(slots)
-        extends = [len(p) > len(f) and p[: len(f)] == f for p, f in zip(prompts, self.fed)]
-        if not any(extends):  # every row's history was truncated: start a new cache
-            self.reset()
-            self._select(slots)
-            extends = [True] * len(prompts)
-        hidden = None
-        rows = [r for r, ok in enumerate(extends) if not ok]
-        if rows:  # some rows' histories were truncated: refeed those alone
-            restarted = self._restart(rows, [list(prompts[r]) + cursors[r].new for r in rows])
-        self._compact()
-        pending = [p[len(f):] + c.new if ok else [] for p, f, c, ok in zip(prompts, self.fed, cursors, extends)]
-        if any(pending):
-            hidden = self._feed(pending, "prefill")
-        if rows:
-            hidden = restarted.new_zeros(len(cursors), restarted.shape[-1]) if hidden is None else hidden
-            hidden[rows] = restarted
-        return hidden
+        pending = []
+        for r, (prompt, cursor) in enumerate(zip(prompts, cursors)):
+            fed = self.fed[r]
+            if not (len(prompt) > len(fed) and prompt[: len(fed)] == fed):
+                self.cache.restart(r)
+                self.fed[r], self.captured[r] = [], []
+            pending.append(list(prompt[len(self.fed[r]):]) + cursor.new)
+        return self._feed(pending, "prefill")
 
     @torch.no_grad()
     def act(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie], temperature: float = 1.0,

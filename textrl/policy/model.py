@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from textrl.config import ModelConfig, load_model_config
+from textrl.policy.ragged_cache import routed_to_ragged
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +299,14 @@ class PolicyValueModel(nn.Module):
             past_key_values=past_key_values, use_cache=past_key_values is not None,
         )
         return out.last_hidden_state, out.past_key_values
+
+    def hidden_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, new: list[int]) -> torch.Tensor:
+        """Last-layer hidden states ``[1, tokens, dim]`` of one packed call: ``input_ids`` [1, tokens]
+        holds row r's ``new[r]`` tokens after row r-1's, appended to row r of ``cache`` (a
+        ``RaggedCache``: each row attends to its own positions only, and no padding is computed)."""
+        with routed_to_ragged(self.lm.config), cache.feeding(new):
+            out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, ragged=cache)
+        return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits for selected hidden states only (never the whole sequence)."""

@@ -82,7 +82,7 @@ class PPOModule(L.LightningModule):
         # one decoder (KV cache) per group of games (env.decode_groups); at least two when games step on
         # workers (env.step_workers), so that one group's games step while the other decodes
         groups = max(cfg.env.decode_groups, 2 if cfg.env.step_workers else 1)
-        self.decoders = [ConstrainedDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]
+        self.decoders = [ConstrainedDecoder(policy) for _ in range(groups)]
         self.game_workers: GameWorkers | None = None  # env.step_workers processes, started at the first rollout
         self._probes: list | None = None  # (game, prompt, trie, walkthrough command), read at the first evaluation
         self._eval_episodes: list[list[Episode]] = [[], []]

@@ -1,0 +1,183 @@
+"""The rollout decoder's KV cache: rows of different lengths, fed packed, with no padding anywhere.
+
+The decoder feeds each row's new tokens -- a turn's observation (tens to hundreds of tokens), or the
+one or two tokens after a fork -- and the rows' counts differ. Fed as one left-padded batch, 16-22 %
+of the positions a rollout's model calls computed were padding, and every padded position also
+stayed in the cache as a hole that later tokens attended over (measured in ``bench/rollout.py``'s
+runs before this cache). Here a call is one packed sequence, every row's new tokens back to back
+(``[1, tokens]``): the linear layers, most of the model, see real tokens only. Only attention is
+per row, and transformers lets it be replaced (``AttentionInterface``): ``ragged_attention`` stores
+each row's new keys and values after the row's own, and attends each row's queries to its own
+keys only.
+
+Storage: per layer one flat buffer of keys and one of values, ``[kv heads, capacity, head dim]``,
+in which every row owns a contiguous stretch with room to grow, so a call writes only its new
+tokens (``index_copy_``) and a row's keys are a view. When a row outgrows its stretch, all rows move
+to new stretches with half again their length to spare (``_relayout``, a copy of the cache, every
+few turns). Rows leave by being forgotten, and a row whose history was truncated starts again at
+length 0 in its own stretch: no holes, no masks over the cache, no compaction.
+
+Attention per row is one SDPA call per row and layer: on a CPU, the cheapest (no padded query or
+key is computed). On a GPU that is many small kernels for a wide batch, so there (``batched``) the
+rows' queries and keys are gathered into one padded batch with a mask, one SDPA call per layer, and
+the output packed again: the padding costs attention FLOPs only, which a GPU has to spare, while
+the linear layers still see real tokens only. Both give the same result (tests/test_ragged_cache.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.nn import functional as F
+
+RAGGED = "textrl_ragged"  # the attention implementation a call runs under while it feeds a RaggedCache
+
+
+class RaggedCache:
+    """Keys and values of ``rows`` sequences, each of its own length (module docstring)."""
+
+    def __init__(self, rows: int, device: torch.device, batched: bool = False):
+        self.device = torch.device(device)
+        self.batched = batched  # one padded SDPA call per layer (GPU) instead of one per row
+        self.lengths = [0] * rows  # positions each row holds
+        self.starts = [0] * rows  # where each row's stretch begins in the buffers
+        self.room = [0] * rows  # how long each row's stretch is
+        self.capacity = 0
+        self.keys: dict[int, torch.Tensor] = {}  # layer index -> [kv heads, capacity, head dim]
+        self.values: dict[int, torch.Tensor] = {}
+        self._call = None  # the layout of the call in progress (``feeding``)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep these rows, in this order; the others' stretches are reclaimed at the next relayout."""
+        self.lengths = [self.lengths[r] for r in rows]
+        self.starts = [self.starts[r] for r in rows]
+        self.room = [self.room[r] for r in rows]
+
+    def restart(self, row: int) -> None:
+        """Forget a row's positions: its next tokens are fed from position 0."""
+        self.lengths[row] = 0
+
+    def _relayout(self, need: list[int]) -> None:
+        """Give every row a stretch of ``need`` and half again, copying what the rows hold."""
+        room = [-(-(n + n // 2) // 64) * 64 for n in need]
+        starts = [sum(room[:r]) for r in range(len(room))]
+        src = torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)] + [torch.zeros(0, dtype=torch.long)])
+        dst = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.lengths)] + [torch.zeros(0, dtype=torch.long)])
+        src, dst = src.to(self.device), dst.to(self.device)
+        for store in (self.keys, self.values):
+            for layer, old in store.items():
+                new = old.new_zeros(old.shape[0], sum(room), old.shape[2])
+                new[:, dst] = old[:, src]
+                store[layer] = new
+        self.starts, self.room, self.capacity = starts, room, sum(room)
+
+    @contextmanager
+    def feeding(self, new: list[int]):
+        """Inside, one model call appends ``new[r]`` tokens to row r (the call's input packs them in
+        row order) and every layer's ``ragged_attention`` reads this layout. The rows hold them after."""
+        if len(new) != self.rows:
+            raise ValueError(f"{len(new)} rows fed, the cache has {self.rows}")
+        ends = [n + k for n, k in zip(self.lengths, new)]
+        if any(e > r for e, r in zip(ends, self.room)):
+            self._relayout(ends)
+        dest = torch.cat([torch.arange(s + n, s + e) for s, n, e in zip(self.starts, self.lengths, ends)])
+        offsets = [0]
+        for k in new:
+            offsets.append(offsets[-1] + k)
+        call = {"dest": dest.to(self.device), "spans": [], "masks": []}
+        for r, k in enumerate(new):
+            if k:  # queries offsets[r]:offsets[r+1] attend to keys starts[r]:starts[r]+ends[r]
+                call["spans"].append((offsets[r], offsets[r + 1], self.starts[r], self.starts[r] + ends[r]))
+        if self.batched:
+            call.update(self._padded_layout(call["spans"]))
+        else:  # bottom-right causal: new token i of k sees the row's first length - k + i + 1 positions
+            call["masks"] = [None if q1 - q0 == 1 else
+                             torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=self.device).tril(k1 - k0 - (q1 - q0))
+                             for q0, q1, k0, k1 in call["spans"]]
+        self._call = call
+        try:
+            yield
+        finally:
+            self._call = None
+        self.lengths = ends
+
+    def _padded_layout(self, spans) -> dict:
+        """Index tensors that gather the call's rows into one padded batch and back (``batched``)."""
+        width = max(q1 - q0 for q0, q1, _, _ in spans)
+        length = max(k1 - k0 for _, _, k0, k1 in spans)
+        q_index = torch.zeros(len(spans), width, dtype=torch.long)
+        kv_index = torch.zeros(len(spans), length, dtype=torch.long)
+        mask = torch.zeros(len(spans), 1, width, length, dtype=torch.bool)
+        packed = []  # where each packed query sits in the padded [rows x width]
+        for b, (q0, q1, k0, k1) in enumerate(spans):
+            n, L = q1 - q0, k1 - k0
+            q_index[b, :n] = torch.arange(q0, q1)
+            kv_index[b, :L] = torch.arange(k0, k1)
+            kv_index[b, L:] = k0  # a real position, masked: no garbage enters the softmax
+            mask[b, 0, :n, :L] = torch.ones(n, L, dtype=torch.bool).tril(L - n)
+            mask[b, 0, n:, 0] = True  # padded queries see one key (their output is dropped)
+            packed.append(torch.arange(b * width, b * width + n))
+        to = dict(device=self.device)
+        return {"q_index": q_index.to(**to), "kv_index": kv_index.to(**to), "mask": mask.to(**to),
+                "packed": torch.cat(packed).to(**to)}
+
+    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the call's new keys and values ``[kv heads, tokens, head dim]`` into the rows' stretches."""
+        if layer not in self.keys:
+            # under autocast, stored in its dtype: SDPA would cast every key it reads to it at every
+            # call (the keys arrive in fp32, rotated by fp32 cos/sin); the same rounding, done once
+            device = key.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key.dtype
+            self.keys[layer] = key.new_zeros(key.shape[0], self.capacity, key.shape[2], dtype=dtype)
+            self.values[layer] = value.new_zeros(value.shape[0], self.capacity, value.shape[2], dtype=dtype)
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(1, self._call["dest"], key.to(keys.dtype))
+        values.index_copy_(1, self._call["dest"], value.to(values.dtype))
+        return keys, values
+
+
+def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, ragged=None, **kwargs):
+    """Attention for a packed call over a ``RaggedCache`` (``ragged``): ``query``, ``key``,
+    ``value`` are ``[1, heads, tokens, head dim]``, every row's new tokens back to back; returns
+    ``[1, tokens, heads, head dim]`` as transformers' attention functions do."""
+    if ragged is None or ragged._call is None:
+        raise RuntimeError("textrl_ragged attention runs only inside RaggedCache.feeding (PolicyValueModel.hidden_packed)")
+    keys, values = ragged.append(module.layer_idx, key[0], value[0])
+    call, heads = ragged._call, query.shape[1]
+    groups = heads // keys.shape[0]
+    if ragged.batched:
+        b, width = call["q_index"].shape
+        q = query[0][:, call["q_index"].flatten()].unflatten(1, (b, width)).transpose(0, 1)
+        k = keys[:, call["kv_index"].flatten()].unflatten(1, call["kv_index"].shape).transpose(0, 1)
+        v = values[:, call["kv_index"].flatten()].unflatten(1, call["kv_index"].shape).transpose(0, 1)
+        if groups > 1:  # CUDA's masked kernels take no grouped heads (see model.sdpa_attention)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=call["mask"], scale=scaling)
+        return out.transpose(1, 2).flatten(0, 1)[call["packed"]][None], None  # [1, tokens, heads, dim]
+    outs = []
+    for (q0, q1, k0, k1), mask in zip(call["spans"], call["masks"]):
+        q = query[:, :, q0:q1]
+        out = F.scaled_dot_product_attention(q, keys[None, :, k0:k1], values[None, :, k0:k1],
+                                             attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+        outs.append(out)
+    return torch.cat(outs, dim=2).transpose(1, 2), None
+
+
+@contextmanager
+def routed_to_ragged(config):
+    """Inside, the model's attention layers call ``ragged_attention``; transformers builds no mask
+    for it (no mask function is registered under ``RAGGED``)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(RAGGED, ragged_attention)
+    saved = config._attn_implementation
+    config._attn_implementation = RAGGED
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
