@@ -5,13 +5,14 @@
 1. Each environment's prompt is fed once. The cache persists across turns of an episode, so when
    the new prompt extends what the row already holds (the prompt builder makes prompts append-only
    until history is truncated), only the new tokens are fed. A row whose prompt does not extend its
-   cache (its history was truncated) is fed again from scratch *on its own*, and its fresh cache is
-   spliced in: fed in the common batch, its ~1,000-token prompt would widen every row's chunk to
-   that length, re-encoding the whole batch whenever any one row restarts (on 32-step medium games
-   that was nearly every turn).
+   cache (its history was truncated) starts again from position 0, in the same call.
 2. Rows then advance in lockstep, one model call per fork level: each call feeds every row's
-   pending tokens (the token just chosen plus the forced single-child chain after it), left-padded
-   into one chunk with explicit position ids, and reads the logits at the chunk's last position.
+   pending tokens (the token just chosen plus the forced single-child chain after it) and reads the
+   hidden state after each row's last one.
+   Every call is packed: the rows' tokens back to back in one sequence, with their own position ids,
+   over a ``RaggedCache`` in which each row attends to its own positions only
+   (``textrl.policy.ragged_cache``). No padding is computed and the cache has no holes, so every
+   row computes what it would compute alone (pinned by the tests).
 3. At a fork the logits of the allowed children are divided by the temperature and sampled (argmax
    when greedy). The recorded log-prob is ``log_softmax(logits[allowed] / T)[chosen]`` -- exactly
    what the PPO update recomputes from the same token ids, masks and temperature (T = 1 for greedy).
@@ -21,12 +22,6 @@
    Each row samples with its own CPU generator, on the CPU, from the few allowed probabilities:
    the draw works whatever device the model is on, and a row's command depends on its own seed,
    not on which other rows share the batch.
-
-The KV cache therefore holds padding holes and dead positions (a restarted row's old tokens); they
-are masked, and positions count real tokens only, so every row computes what it would compute alone
-(pinned by the tests). When more than a fifth of the cache is holes, each row's live positions are
-gathered to the end of a shorter cache; the keys already carry their positions, so nothing changes
-but the cache's length, which otherwise grows with every turn and every restart.
 
 With ``capture`` (a ``FrozenPrefix``: the model's lower blocks are frozen), every call also keeps the
 last frozen block's output at each row's real tokens, and each action carries its row's tokens and
