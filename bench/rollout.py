@@ -10,7 +10,7 @@ training (``PolicyValueModel.frozen_linears_in_autocast_dtype``); only the decod
 decoders (cached, naive, cached, naive, ...) so that a slow stretch of the machine hits both; the
 speed-up is the ratio of the median rounds, with the range of each. Both decode the envs in the same
 groups (``--groups``, default training's on a CPU, ``env.decode_groups``), each group its own batch:
-grouping cuts the padding of either method.
+grouping cuts the naive decoder's padding (the cached decoder's packed calls compute none).
 
     python bench/rollout.py                      # model=smollm2, 16 easy environments, 3 rounds
 """

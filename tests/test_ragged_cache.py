@@ -95,3 +95,14 @@ def test_attention_outside_a_feeding_call_is_refused(tiny):
     layer = policy.lm.model.layers[0].self_attn
     with pytest.raises(RuntimeError, match="RaggedCache.feeding"):
         ragged_attention(layer, *(torch.zeros(1, 2, 3, 4) for _ in range(3)), None, ragged=RaggedCache(1, "cpu"))
+
+
+def test_an_attention_argument_it_does_not_implement_is_refused_by_name(tiny):
+    """A sliding window ignored would attend further back than the update's forward does."""
+    policy, _ = tiny
+    from textrl.policy.ragged_cache import ragged_attention
+
+    cache = RaggedCache(1, "cpu")
+    layer = policy.lm.model.layers[0].self_attn
+    with cache.feeding([3]), pytest.raises(NotImplementedError, match="sliding_window=4096"):
+        ragged_attention(layer, *(torch.zeros(1, 2, 3, 4) for _ in range(3)), None, ragged=cache, sliding_window=4096)

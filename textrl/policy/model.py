@@ -155,10 +155,12 @@ def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scali
 
     There transformers copies every cached key and value once per query head group (``repeat_kv``)
     at every call of every layer, because CUDA's kernels fall back to the slow path for a masked
-    ``enable_gqa``; the decoder always passes a mask (its cache has holes) over a cache of up to
-    ~1,000 positions, so on a CPU those copies were ~13 % of a rollout's profile. The CPU's SDPA
-    kernel takes the key/value heads as they are (``enable_gqa``), with the same result (pinned by
-    tests/test_attention_gqa.py). Everywhere else, transformers' function unchanged.
+    ``enable_gqa``. On a CPU those copies were ~13 % of a rollout's profile when the decoder still
+    ran on a masked cache; masks remain in padded batches (minibatches of several sequences,
+    ``score_commands``). The CPU's SDPA kernel takes the key/value heads as they are
+    (``enable_gqa``), with the same result (pinned by tests/test_attention_gqa.py). Everywhere
+    else, transformers' function unchanged. (The rollout decoder's calls run
+    ``textrl.policy.ragged_cache.ragged_attention`` instead.)
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -186,8 +188,8 @@ def attn_implementation(cfg: ModelConfig) -> str:
     names another.
 
     Never flash attention 2 by default: it refuses fp32 activations (``memory=none`` on a GPU), and
-    the decoder's KV cache has holes in its attention mask (docs/gpu.md), a case no test here can
-    run. SDPA takes any boolean mask on CPU and CUDA alike.
+    no test here can run it (docs/gpu.md). Whatever this names, the rollout decoder's packed calls
+    run their own attention (``hidden_packed``); this one serves every other forward.
     """
     if cfg.attn_implementation:
         return cfg.attn_implementation
@@ -285,8 +287,8 @@ class PolicyValueModel(nn.Module):
     def hidden(self, input_ids, attention_mask, position_ids, past_key_values=None):
         """Last-layer hidden states for every input position, and the updated KV cache (if one is given).
 
-        ``attention_mask`` covers the cached positions and the new ones; it may have holes (padding
-        between chunks), which is why ``position_ids`` are always explicit.
+        ``attention_mask`` covers the cached positions and the new ones; it may have holes (left
+        padding), which is why ``position_ids`` are always explicit.
 
         Runs the LM without its head (``get_decoder``: the stack up to the final norm). Called with
         the head, even for one position a row, a frozen head's whole [vocabulary x hidden] weight was
@@ -303,7 +305,9 @@ class PolicyValueModel(nn.Module):
     def hidden_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, new: list[int]) -> torch.Tensor:
         """Last-layer hidden states ``[1, tokens, dim]`` of one packed call: ``input_ids`` [1, tokens]
         holds row r's ``new[r]`` tokens after row r-1's, appended to row r of ``cache`` (a
-        ``RaggedCache``: each row attends to its own positions only, and no padding is computed)."""
+        ``RaggedCache``: each row attends to its own positions only, and no padding is computed).
+        The attention is ``ragged_attention`` for this call, whatever ``model.attn_implementation``
+        says: no other implementation knows the cache's layout."""
         with routed_to_ragged(self.lm.config), cache.feeding(new):
             out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, ragged=cache)
         return out.last_hidden_state

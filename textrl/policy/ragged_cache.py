@@ -32,6 +32,9 @@ import torch
 from torch.nn import functional as F
 
 RAGGED = "textrl_ragged"  # the attention implementation a call runs under while it feeds a RaggedCache
+# attention arguments some architectures pass that change what attention computes (Mistral's and
+# Gemma's sliding windows, Gemma 2's logit soft-capping, attention sinks, T5-style biases)
+UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "position_bias")
 
 
 class RaggedCache:
@@ -147,9 +150,16 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     ``[1, tokens, heads, head dim]`` as transformers' attention functions do."""
     if ragged is None or ragged._call is None:
         raise RuntimeError("textrl_ragged attention runs only inside RaggedCache.feeding (PolicyValueModel.hidden_packed)")
+    for name in UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} passes {name}={kwargs[name]!r} to its attention, which the rollout "
+                f"decoder's packed attention does not implement (it serves Llama, Qwen2 and GPT-2 style "
+                f"full causal attention); use a model without it")
     keys, values = ragged.append(module.layer_idx, key[0], value[0])
     call, heads = ragged._call, query.shape[1]
     groups = heads // keys.shape[0]
+    query = query.to(keys.dtype)  # what autocast does to it anyway; without autocast, the same dtype
     if ragged.batched:
         b, width = call["q_index"].shape
         q = query[0][:, call["q_index"].flatten()].unflatten(1, (b, width)).transpose(0, 1)
