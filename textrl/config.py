@@ -91,10 +91,11 @@ class EnvConfig:
     # 0: the games step one after the other in the training process. Worth it where stepping is a
     # large share of the rollout (many envs, a fast GPU): see perf/rollout_env_s
     step_workers: int = 0
-    # the rollout's envs decoded as this many groups, one after the other, each with its own KV cache:
-    # a group pads its chunks to its own longest row, not the batch's (with step_workers: at least 2).
-    # None: 4 on a CPU, where every padded position costs compute (16 envs: 0.78x the rollout time of
-    # one group, bench/results/decode_groups.json), 1 on a GPU, where batch width is what it is good at
+    # the rollout's envs decoded as this many groups, one after the other, each with its own KV cache
+    # (with step_workers: at least 2, so that one group's games step while the next decodes).
+    # None: 4 on a CPU, 1 on a GPU, where batch width is what it is good at. On a CPU the grouping
+    # once cut padding; the decoder's calls are packed now (no padding), and 1 / 2 / 4 groups take
+    # the same time within this machine's noise (bench/results/decode_groups.json), so 4 stays
     decode_groups: Optional[int] = None
 
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
