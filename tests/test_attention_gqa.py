@@ -11,7 +11,7 @@ from textrl.policy.model import SDPA
 
 
 def padded_batch(prompts, easy_games):
-    """Two real prompts, left-padded into one batch with a mask: the decoder's kind of call."""
+    """Two real prompts, left-padded into one batch with a mask (as a minibatch of several sequences)."""
     rows = []
     for path in easy_games[:2]:
         env = TextGame(path, 8)

@@ -133,7 +133,8 @@ class RaggedCache:
         """Write the call's new keys and values ``[kv heads, tokens, head dim]`` into the rows' stretches."""
         if layer not in self.keys:
             # under autocast, stored in its dtype: SDPA would cast every key it reads to it at every
-            # call (the keys arrive in fp32, rotated by fp32 cos/sin); the same rounding, done once
+            # call (the keys arrive in fp32, rotated by fp32 cos/sin); the same rounding, done once.
+            # A cache lives within one autocast context: one rollout, one evaluation
             device = key.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key.dtype
             self.keys[layer] = key.new_zeros(key.shape[0], self.capacity, key.shape[2], dtype=dtype)
