@@ -11,8 +11,9 @@
    hidden state after each row's last one.
    Every call is packed: the rows' tokens back to back in one sequence, with their own position ids,
    over a ``RaggedCache`` in which each row attends to its own positions only
-   (``textrl.policy.ragged_cache``). No padding is computed and the cache has no holes, so every
-   row computes what it would compute alone (pinned by the tests).
+   (``textrl.policy.ragged_cache``). The linear layers compute no padding (on a CPU nothing does;
+   on a GPU attention alone runs padded) and the cache has no holes, so every row computes what it
+   would compute alone (pinned by the tests).
 3. At a fork the logits of the allowed children are divided by the temperature and sampled (argmax
    when greedy). The recorded log-prob is ``log_softmax(logits[allowed] / T)[chosen]`` -- exactly
    what the PPO update recomputes from the same token ids, masks and temperature (T = 1 for greedy).

@@ -46,8 +46,8 @@ def apply_memory(lm: nn.Module, memory) -> nn.Module:
         lm = prepare_model_for_kbit_training(lm, use_gradient_checkpointing=memory.grad_ckpt,
                                              gradient_checkpointing_kwargs={"use_reentrant": False})
     elif memory.grad_ckpt:
-        # non-reentrant: works with frozen inputs and keyword arguments; rollouts run in eval mode,
-        # where transformers skips checkpointing and keeps using the KV cache
+        # non-reentrant: works with frozen inputs and keyword arguments; rollouts and evaluation run
+        # in eval mode, where transformers skips checkpointing
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if memory.lora:
         from peft import LoraConfig, get_peft_model

@@ -305,7 +305,7 @@ class PolicyValueModel(nn.Module):
     def hidden_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, new: list[int]) -> torch.Tensor:
         """Last-layer hidden states ``[1, tokens, dim]`` of one packed call: ``input_ids`` [1, tokens]
         holds row r's ``new[r]`` tokens after row r-1's, appended to row r of ``cache`` (a
-        ``RaggedCache``: each row attends to its own positions only, and no padding is computed).
+        ``RaggedCache``: each row attends to its own positions only; the linear layers compute no padding).
         The attention is ``ragged_attention`` for this call, whatever ``model.attn_implementation``
         says: no other implementation knows the cache's layout."""
         with routed_to_ragged(self.lm.config), cache.feeding(new):

@@ -1,4 +1,4 @@
-"""The rollout decoder's KV cache: rows of different lengths, fed packed, with no padding anywhere.
+"""The rollout decoder's KV cache: rows of different lengths, fed packed, with no padding in the linear layers.
 
 The decoder feeds each row's new tokens -- a turn's observation (tens to hundreds of tokens), or the
 one or two tokens after a fork -- and the rows' counts differ. Fed as one left-padded batch, 16-22 %
@@ -15,13 +15,14 @@ in which every row owns a contiguous stretch with room to grow, so a call writes
 tokens (``index_copy_``) and a row's keys are a view. When a row outgrows its stretch, all rows move
 to new stretches with half again their length to spare (``_relayout``, a copy of the cache, every
 few turns). Rows leave by being forgotten, and a row whose history was truncated starts again at
-length 0 in its own stretch: no holes, no masks over the cache, no compaction.
+length 0 in its own stretch: no holes in the cache and no compaction.
 
 Attention per row is one SDPA call per row and layer: on a CPU, the cheapest (no padded query or
-key is computed). On a GPU that is many small kernels for a wide batch, so there (``batched``) the
-rows' queries and keys are gathered into one padded batch with a mask, one SDPA call per layer, and
-the output packed again: the padding costs attention FLOPs only, which a GPU has to spare, while
-the linear layers still see real tokens only. Both give the same result (tests/test_ragged_cache.py).
+key is computed at all). On a GPU that is many small kernels for a wide batch, so there
+(``batched``) the rows' queries and keys are gathered into one padded batch with a mask, one SDPA
+call per layer, and the output packed again: the padding then costs attention only (the gathered
+copies, the mask, the padded FLOPs; not measured, no GPU here), while the linear layers still see
+real tokens only. Both give the same result (tests/test_ragged_cache.py).
 """
 
 from __future__ import annotations
@@ -110,24 +111,20 @@ class RaggedCache:
         self.lengths = ends
 
     def _padded_layout(self, spans) -> dict:
-        """Index tensors that gather the call's rows into one padded batch and back (``batched``)."""
-        width = max(q1 - q0 for q0, q1, _, _ in spans)
-        length = max(k1 - k0 for _, _, k0, k1 in spans)
-        q_index = torch.zeros(len(spans), width, dtype=torch.long)
-        kv_index = torch.zeros(len(spans), length, dtype=torch.long)
-        mask = torch.zeros(len(spans), 1, width, length, dtype=torch.bool)
-        packed = []  # where each packed query sits in the padded [rows x width]
-        for b, (q0, q1, k0, k1) in enumerate(spans):
-            n, L = q1 - q0, k1 - k0
-            q_index[b, :n] = torch.arange(q0, q1)
-            kv_index[b, :L] = torch.arange(k0, k1)
-            kv_index[b, L:] = k0  # a real position, masked: no garbage enters the softmax
-            mask[b, 0, :n, :L] = torch.ones(n, L, dtype=torch.bool).tril(L - n)
-            mask[b, 0, n:, 0] = True  # padded queries see one key (their output is dropped)
-            packed.append(torch.arange(b * width, b * width + n))
-        to = dict(device=self.device)
-        return {"q_index": q_index.to(**to), "kv_index": kv_index.to(**to), "mask": mask.to(**to),
-                "packed": torch.cat(packed).to(**to)}
+        """Index tensors that gather the call's rows into one padded batch and back (``batched``),
+        built on the device from the rows' sizes: a padded query repeats its row's last one (its
+        output is dropped) and a padded key its row's last position (masked), so every index is
+        real and no query row is fully masked."""
+        q0, q1, k0, k1 = (torch.tensor(x, device=self.device) for x in zip(*spans))
+        n, length = q1 - q0, k1 - k0
+        width, longest = int(max(b - a for a, b, _, _ in spans)), int(max(d - c for _, _, c, d in spans))
+        i = torch.minimum(torch.arange(width, device=self.device)[None], n[:, None] - 1)  # [rows, width]
+        j = torch.arange(longest, device=self.device)[None]  # [1, longest]
+        # bottom-right causal: query i of a row's n sees its first length - n + i + 1 keys
+        mask = j[:, None] <= (i + (length - n)[:, None])[:, :, None]  # [rows, width, longest]
+        packed = torch.cat([torch.arange(b * width, b * width + (q - p)) for b, (p, q, _, _) in enumerate(spans)])
+        return {"q_index": q0[:, None] + i, "kv_index": k0[:, None] + torch.minimum(j, length[:, None] - 1),
+                "mask": mask[:, None], "packed": packed.to(self.device)}
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the call's new keys and values ``[kv heads, tokens, head dim]`` into the rows' stretches."""

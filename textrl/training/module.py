@@ -219,7 +219,7 @@ class PPOModule(L.LightningModule):
         # the same autocast as the update (bf16-mixed etc.), so rollout and update compute one function
         precision = self._trainer.precision_plugin.forward_context() if self._trainer else contextlib.nullcontext()
         was_training = self.policy.training
-        self.policy.eval()  # gradient checkpointing (train mode only) would switch the KV cache off
+        self.policy.eval()  # the function evaluation computes; gradient checkpointing acts in train mode only
         greedy = seeds is None
         for decoder in self.decoders:  # training rollouts keep the frozen blocks' outputs for the update
             decoder.capture = None if greedy else self.frozen
