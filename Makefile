@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test test-all bench clean-venv
+.PHONY: train test bench clean-venv
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -22,9 +22,6 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q $(ARGS)
-
-test-all: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m '' $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

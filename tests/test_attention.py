@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.test_training import config
+from tests.conftest import config
 from textrl import cli
 from textrl.cli.attention import main
 from textrl.config import load_model_config

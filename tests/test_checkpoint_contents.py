@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 import textrl.cli.train as cli
 from textrl.policy.checkpoint import CheckpointError, load, load_checkpoint_policy
-from tests.test_training import StopAfter, config, table
+from tests.conftest import StopAfter, config, table
 
 import pytest
 

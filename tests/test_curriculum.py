@@ -9,7 +9,7 @@ import pytest
 import textrl.cli.train as cli
 from textrl.config import ConfigError
 from textrl.training.datamodule import RolloutDataModule
-from tests.test_training import StopAfter, config, read_metrics
+from tests.conftest import StopAfter, config, read_metrics
 
 STAGES = ["curriculum.stages=[easy,medium]", "env.goal_last=true"]
 

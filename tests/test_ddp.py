@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from textrl.config import CONF_DIR
-from tests.test_training import SMALL
+from tests.conftest import SMALL
 
 
 def test_two_process_cpu_ddp_covers_both_ranks(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import textrl.cli.train as cli
 from textrl.cli.evaluate import main, wilson_interval
 from textrl.cli.play import main as play_main
-from tests.test_training import config
+from tests.conftest import config
 
 HEADER = re.compile(r"^## (\S+): (won|lost) in (\d+) steps, return ([-+]\d+\.\d+)$", re.M)
 

@@ -98,7 +98,7 @@ def test_a_training_iteration_with_frozen_blocks_keeps_the_first_ratio_at_one(tm
     minibatch's ratios are exactly 1 in fp32, and switching the cache off gives the same losses."""
     import lightning as L
 
-    from tests.test_training import config, read_metrics
+    from tests.conftest import config, read_metrics
     import textrl.cli.train as cli
 
     class CountFrozenRuns(L.Callback):

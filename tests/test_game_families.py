@@ -10,7 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from textrl.cli.evaluate import main as eval_main
-from textrl.config import ConfigError, load_env_config
+from textrl.config import load_env_config
+from textrl.errors import ConfigError
 from textrl.games.env import open_game
 from textrl.games.express import JAVA_MISSING, java_available
 from textrl.games.pool import GamePool, GameSpec

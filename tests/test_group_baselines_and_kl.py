@@ -9,7 +9,7 @@ from textrl.ppo.losses import kl_over_allowed
 from textrl.rollout import episode_seeds
 from textrl.training.datamodule import RolloutDataModule, iteration_rng
 from textrl.training.module import PPOModule
-from tests.test_training import config
+from tests.conftest import config
 
 
 def test_grpo_and_rloo_equal_a_reference_computation():
@@ -122,7 +122,7 @@ def test_kl_to_the_reference_is_zero_at_the_first_update_and_grows_after_a_step(
 
 def test_a_group_baseline_run_trains_without_the_value_head(tmp_path):
     import textrl.cli.train as cli
-    from tests.test_training import Snapshot, read_metrics
+    from tests.conftest import Snapshot, read_metrics
 
     snapshot = Snapshot()
     result = cli.train(config(tmp_path, "iterations=1", "env.group_size=2", "ppo.advantage=grpo", "ppo.kl_coef=0.1"),

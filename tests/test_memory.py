@@ -10,7 +10,7 @@ import textrl.cli.train as cli
 from textrl.config import ConfigError, MemoryConfig
 from textrl.policy.checkpoint import load
 from textrl.policy.memory import make_optimizer
-from tests.test_training import Snapshot, config
+from tests.conftest import Snapshot, config
 
 # fp32: rollout and update agree to 1e-4 on every decision. Under bf16 they round differently
 # (chunked KV cache vs one full forward), so the old log-probs are recomputed with the update's own

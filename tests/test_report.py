@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from textrl.cli.report import main
-from tests.test_training import SMALL
+from tests.conftest import SMALL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,7 +104,7 @@ def test_report_on_a_directory_without_runs_says_what_it_expected(tmp_path):
 def test_report_reads_tensorboard_logs_like_csv(tmp_path):
     """The same run logged with logger=tensorboard reports the same eval curve as its csv twin."""
     import textrl.cli.train as cli
-    from tests.test_training import config
+    from tests.conftest import config
 
     for logger in ("csv", "tensorboard"):
         cli.train(config(tmp_path / logger, f"logger={logger}", "iterations=2", "eval.every=1"))

@@ -1,6 +1,5 @@
 """End-to-end PPO training on real games with the real tiny model."""
 
-import csv
 import os
 import signal
 import subprocess
@@ -11,43 +10,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 import textrl.cli.train as cli
-from textrl.config import CONF_DIR, to_train_config
+from tests.conftest import SMALL, Snapshot, StopAfter, config, read_metrics, table
+from textrl.config import CONF_DIR
 from textrl.ppo.buffer import add_advantages, episode_sequences
 from textrl.rollout import episode_seeds
 from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.module import PPOModule
-
-SMALL = ["model=tiny", "env.num_envs=4", "env.pool_size=8", "eval.games=4", "eval.batch=4", "eval.transcripts=2",
-         "eval.train_games=2", "env.decode_groups=2",  # two groups of two rows: grouped and batched decoding
-         "ppo.epochs=2", "ppo.minibatch_size=2", "ppo.grad_accum=2", "trainer.accelerator=cpu"]
-
-
-def config(tmp_path, *overrides):
-    # fp32 unless a test picks a memory option: the default (memory=auto) is bf16 on some machines,
-    # and the exactness checks (ratio 1 within 1e-4, resumed == straight) are fp32 invariants
-    memory = [] if any(o.startswith("memory=") for o in overrides) else ["memory=none"]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"output_dir={tmp_path}", *SMALL, *memory, *overrides])
-    return to_train_config(cfg)
-
-
-def read_metrics(run_dir):
-    with open(Path(run_dir) / "logs" / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
-class Snapshot(L.Callback):
-    """The policy's own weights when training starts (after any checkpoint is loaded)."""
-
-    def on_train_start(self, trainer, pl_module):
-        self.weights = {k: v.detach().clone() for k, v in pl_module.policy.state_dict().items()}
-
-    def changed(self, module) -> list[str]:
-        after = module.policy.state_dict()
-        return [k for k, v in self.weights.items() if not torch.equal(v, after[k])]
 
 
 def test_two_iterations_end_to_end(tmp_path):
@@ -126,25 +96,6 @@ def test_an_optimizer_steps_gradient_does_not_depend_on_how_it_is_split(tmp_path
         for a, b in zip(whole, gradient(split)):
             assert torch.allclose(a, b, atol=1e-5, rtol=0)
     assert any(float(g.abs().max()) > 1e-6 for g in whole)
-
-
-class StopAfter(L.Callback):
-    """Stops a run after n iterations, cleanly (Lightning still runs its end-of-training hooks)."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch + 1 >= self.n:
-            trainer.should_stop = True
-
-
-TABLE_KEYS = ["iteration", "rollout/return", "rollout/win_rate", "loss/policy", "loss/value", "eval/win_rate",
-              "rollout/temperature", "optim/lr_lm", "optim/grad_norm"]
-
-
-def table(run):
-    return [[r[k] and round(float(r[k]), 5) for k in TABLE_KEYS] for r in read_metrics(run)]
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):

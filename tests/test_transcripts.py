@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.test_training import config
+from tests.conftest import config
 from textrl import cli
 from textrl.games.env import TextGame
 from textrl.policy.decoding import ConstrainedDecoder, score_commands
@@ -73,7 +73,7 @@ def test_tensorboard_run_logs_the_transcripts_as_text(tmp_path):
 
 
 def test_probe_probabilities_are_the_policys_own_for_each_walkthrough_first_command(tmp_path):
-    from tests.test_training import read_metrics
+    from tests.conftest import read_metrics
     from textrl.config import load_env_config
     from textrl.games.env import open_game
     from textrl.games.pool import game_name

@@ -14,7 +14,7 @@ from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import masked_logprobs, mix_uniform
 from textrl.policy.model import build_policy
 from textrl.policy.trie import CommandTrie
-from tests.test_training import Snapshot, config, read_metrics
+from tests.conftest import Snapshot, config, read_metrics
 
 
 def test_exploration_mixture_keeps_every_child_above_its_floor_and_is_a_distribution():

@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.test_training import config, read_metrics
+from tests.conftest import config, read_metrics
 from textrl.cli.train import train
 from textrl.config import load_env_config
 from textrl.games.env import InvalidCommandError, open_game

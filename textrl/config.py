@@ -1,14 +1,17 @@
-"""Config schemas (Hydra structured configs) and validation.
+"""Config schemas (Hydra structured configs), validation, and resolving ``auto`` values.
 
 Every group in ``conf/`` is typed by a dataclass here, registered in Hydra's ConfigStore, so an
 unknown key or a wrongly typed value fails when the config is composed. Value checks (ranges,
-choices) run in ``validate`` before anything is built, and name the key, the value and what is
-allowed.
+choices) run in ``validate`` before anything is built, one function per group, and name the key,
+the value and what is allowed. ``resolve`` then decides the values left to the machine
+(``memory.precision=auto``, ``env.decode_groups=null``, ``ppo.recompute_old=null``). Whether the
+games of a setting can be made is the games layer's check (``textrl.games.pool.check_games``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -16,11 +19,9 @@ from typing import Any, Dict, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from textrl.errors import ConfigError
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-
-
-class ConfigError(ValueError):
-    """A config value outside what is allowed; the message names the key, the value and the rule."""
 
 
 # One source of truth for each default: the dataclass defaults below ARE the defaults of
@@ -158,7 +159,7 @@ class PPOConfig:
 @dataclass
 class MemoryConfig:
     name: str = "auto"
-    # Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA only) | auto (resolved by ``validate``:
+    # Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA only) | auto (decided by ``resolve``:
     # bf16-mixed where the device computes in bf16 natively, else 32-true)
     precision: str = "auto"
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes, for the LM parameters)
@@ -260,9 +261,24 @@ def register_configs() -> None:
 
 
 def _cuda_devices() -> int:
-    import torch
+    import torch  # slow import: composing and checking a config needs torch only to ask about devices
 
     return max(torch.cuda.device_count(), 1)
+
+
+def default_cache_dir() -> Path:
+    """Where games and converted models go when ``cache_dir`` is null: ``$TEXTRL_CACHE`` if set,
+    else ``$XDG_CACHE_HOME/textrl`` (``~/.cache/textrl``)."""
+    if os.environ.get("TEXTRL_CACHE"):
+        return Path(os.environ["TEXTRL_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "textrl"
+
+
+def training_game_count(env: EnvConfig) -> int:
+    """How many training games a run draws from: with ``env.repeatable`` the same
+    ``num_envs / group_size`` games every iteration, else the fresh pool of ``env.pool_size``."""
+    return env.num_envs // env.group_size if env.repeatable else env.pool_size
 
 
 def _check(key: str, value, ok: bool, allowed: str) -> None:
@@ -271,11 +287,22 @@ def _check(key: str, value, ok: bool, allowed: str) -> None:
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    """Range and choice checks that types alone cannot express."""
-    from textrl.games.pool import GameSpec
+    """Range and choice checks that types alone cannot express, group by group. Changes nothing:
+    ``resolve`` decides the ``auto`` values, ``textrl.games.pool.check_games`` whether the games
+    can be made."""
+    _check_env(cfg.env)
+    _check_ppo(cfg.ppo, cfg.env)
+    _check_iterations(cfg)
+    _check_trainer(cfg)
+    _check_eval(cfg.eval, cfg.env)
+    _check_curriculum(cfg.curriculum)
+    _check_logger(cfg.logger)
+    _check_model(cfg.model, cfg.memory)
+    _check_memory(cfg.memory, cfg.trainer)
+    return cfg
 
-    e, p = cfg.env, cfg.ppo
-    GameSpec.from_env(e)  # the game family and its settings (raises ConfigError naming the key)
+
+def _check_env(e: EnvConfig) -> None:
     for key in ["num_envs", "group_size", "pool_size", "history_len", "workers", "max_steps"]:
         _check(f"env.{key}", getattr(e, key), getattr(e, key) >= 1, "an integer >= 1")
     _check("env.step_workers", e.step_workers, e.step_workers >= 0, "an integer >= 0 (0: no worker processes)")
@@ -287,6 +314,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     games = e.num_envs // e.group_size
     _check("env.pool_size", e.pool_size, e.repeatable or e.pool_size >= games,
            f">= the games per iteration, env.num_envs / env.group_size ({games})")
+
+
+def _check_ppo(p: PPOConfig, e: EnvConfig) -> None:
     for key in ["lr_lm", "lr_value"]:
         v = getattr(p, key)
         _check(f"ppo.{key}", v, math.isfinite(v) and v > 0, "a number > 0")
@@ -307,6 +337,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
            f"in (0, ppo.temperature={p.temperature}]")
     for key in ["epochs", "minibatch_size", "grad_accum"]:
         _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 1, "an integer >= 1")
+
+
+def _check_iterations(cfg: TrainConfig) -> None:
     w = cfg.warm_start
     _check("iterations", cfg.iterations, cfg.iterations >= 1 or (cfg.iterations == 0 and w.steps > 0),
            "an integer >= 1 (0 only with warm_start.steps > 0: a warm start alone)")
@@ -314,54 +347,74 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ["games", "batch"]:
         _check(f"warm_start.{key}", getattr(w, key), getattr(w, key) >= 1, "an integer >= 1")
     _check("warm_start.lr", w.lr, math.isfinite(w.lr) and w.lr > 0, "a number > 0")
+
+
+def _check_trainer(cfg: TrainConfig) -> None:
     t = cfg.trainer
     _check("trainer.share_machine", t.share_machine, not t.share_machine or (t.devices == 1 and t.num_nodes == 1),
            f"true only with trainer.devices=1 and num_nodes=1 (each job takes one device; got devices={t.devices})")
     _check("threads", cfg.threads, cfg.threads is None or cfg.threads >= 1, "null or an integer >= 1")
+    _check("trainer.accelerator", t.accelerator, t.accelerator not in {"gpu", "cuda"} or _cuda_available(),
+           "needs a CUDA GPU and none is available; on a CPU use trainer=cpu (or -m sweep=cpu for a sweep)")
+
+
+def _check_eval(v: EvalConfig, e: EnvConfig) -> None:
     for key in ["every", "games", "batch"]:
-        _check(f"eval.{key}", getattr(cfg.eval, key), getattr(cfg.eval, key) >= 1, "an integer >= 1")
-    _check("eval.transcripts", cfg.eval.transcripts, cfg.eval.transcripts >= 0, "an integer >= 0")
-    _check("eval.probes", cfg.eval.probes, cfg.eval.probes >= 0, "an integer >= 0")
-    c = cfg.curriculum
+        _check(f"eval.{key}", getattr(v, key), getattr(v, key) >= 1, "an integer >= 1")
+    _check("eval.transcripts", v.transcripts, v.transcripts >= 0, "an integer >= 0")
+    _check("eval.probes", v.probes, v.probes >= 0, "an integer >= 0")
+    n_train = training_game_count(e)
+    _check("eval.train_games", v.train_games, 0 <= v.train_games <= n_train,
+           f"between 0 and the training games available ({n_train})")
+
+
+def _check_curriculum(c: CurriculumConfig) -> None:
     for stage in c.stages:
         _check("curriculum.stages", list(c.stages), stage in env_options(), f"env options, each one of {env_options()}")
-        GameSpec.from_env(load_env_config(stage))  # its games can be made (Java for twx_*, ...)
     _check("curriculum.threshold", c.threshold, 0 <= c.threshold <= 1, "a win rate in [0, 1]")
     _check("curriculum.window", c.window, c.window >= 1, "an integer >= 1")
     _check("curriculum.replay", c.replay, 0 <= c.replay < 1, "a share in [0, 1)")
     _check("curriculum.replay_size", c.replay_size, c.replay_size >= 1, "an integer >= 1")
-    n_train = e.num_envs // e.group_size if e.repeatable else e.pool_size
-    _check("eval.train_games", cfg.eval.train_games, 0 <= cfg.eval.train_games <= n_train,
-           f"between 0 and the training games available ({n_train})")
-    _check("logger.name", cfg.logger.name, cfg.logger.name in {"csv", "tensorboard", "wandb"},
-           "one of ['csv', 'tensorboard', 'wandb']")
-    _check("model.source", cfg.model.source, cfg.model.source in {"hub", "gguf", "random"},
-           "one of ['hub', 'gguf', 'random']")
-    _check("model.value_hidden", cfg.model.value_hidden, cfg.model.value_hidden >= 1, "an integer >= 1")
-    m = cfg.memory
+
+
+def _check_logger(g: LoggerConfig) -> None:
+    _check("logger.name", g.name, g.name in {"csv", "tensorboard", "wandb"}, "one of ['csv', 'tensorboard', 'wandb']")
+
+
+def _check_model(m: ModelConfig, memory: MemoryConfig) -> None:
+    _check("model.source", m.source, m.source in {"hub", "gguf", "random"}, "one of ['hub', 'gguf', 'random']")
+    _check("model.value_hidden", m.value_hidden, m.value_hidden >= 1, "an integer >= 1")
+    _check("model.trainable_layers", m.trainable_layers, m.trainable_layers is None or not memory.lora,
+           "null with LoRA (LoRA already freezes the base model): set model.trainable_layers=null")
+
+
+def _check_memory(m: MemoryConfig, t: TrainerConfig) -> None:
     _check("memory.precision", m.precision, m.precision in {"32-true", "bf16-mixed", "16-mixed", "auto"},
            "one of ['32-true', 'bf16-mixed', '16-mixed', 'auto']")
     _check("memory.optimizer", m.optimizer, m.optimizer in {"adamw", "adamw8bit"}, "one of ['adamw', 'adamw8bit']")
     _check("memory.lora_r", m.lora_r, m.lora_r >= 1, "an integer >= 1")
     _check("memory.quantize_4bit", m.quantize_4bit, not m.quantize_4bit or m.lora,
            "4-bit base weights are frozen: use it with memory.lora=true (memory=qlora)")
-    _check("model.trainable_layers", cfg.model.trainable_layers, cfg.model.trainable_layers is None or not m.lora,
-           "null with LoRA (LoRA already freezes the base model): set model.trainable_layers=null")
-    cuda = cfg.trainer.accelerator in {"auto", "gpu", "cuda"} and _cuda_available()
-    if m.precision == "auto":
-        m.precision = "bf16-mixed" if native_bf16(cuda) else "32-true"
-    if e.decode_groups is None:
-        e.decode_groups = default_decode_groups(e.num_envs, cuda)
-    if cfg.ppo.recompute_old is None:
-        cfg.ppo.recompute_old = m.precision != "32-true"
     for key, needs, cpu_choice in [
         ("precision", m.precision == "16-mixed", "memory=bf16 (or memory.precision=bf16-mixed)"),
         ("quantize_4bit", m.quantize_4bit, "memory=lora (bitsandbytes 4-bit kernels are CUDA-only)"),
     ]:
-        _check(f"memory.{key}", getattr(m, key), not needs or cuda,
+        _check(f"memory.{key}", getattr(m, key), not needs or _trains_on_cuda(t),
                f"needs a CUDA GPU and none is available; on a CPU use {cpu_choice}")
-    _check("trainer.accelerator", cfg.trainer.accelerator, cfg.trainer.accelerator not in {"gpu", "cuda"} or cuda,
-           "needs a CUDA GPU and none is available; on a CPU use trainer=cpu (or -m sweep=cpu for a sweep)")
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """The values a config leaves to the machine, decided in place (after ``validate``):
+    ``memory.precision=auto`` (bf16-mixed where the device computes in bf16 natively, else
+    32-true), ``env.decode_groups=null`` (``default_decode_groups``) and ``ppo.recompute_old=null``
+    (true exactly under mixed precision)."""
+    cuda = _trains_on_cuda(cfg.trainer)
+    if cfg.memory.precision == "auto":
+        cfg.memory.precision = "bf16-mixed" if native_bf16(cuda) else "32-true"
+    if cfg.env.decode_groups is None:
+        cfg.env.decode_groups = default_decode_groups(cfg.env.num_envs, cuda)
+    if cfg.ppo.recompute_old is None:
+        cfg.ppo.recompute_old = cfg.memory.precision != "32-true"
     return cfg
 
 
@@ -370,8 +423,12 @@ def default_decode_groups(num_envs: int, cuda: bool) -> int:
     return 1 if cuda else min(4, num_envs)
 
 
+def _trains_on_cuda(t: TrainerConfig) -> bool:
+    return t.accelerator in {"auto", "gpu", "cuda"} and _cuda_available()
+
+
 def _cuda_available() -> bool:
-    import torch
+    import torch  # slow import: see _cuda_devices
 
     return torch.cuda.is_available()
 
@@ -381,7 +438,7 @@ def native_bf16(cuda: bool) -> bool:
 
     On CPUs without AVX512-BF16 or AMX, bf16 is emulated and slower than fp32, so auto stays fp32.
     """
-    import torch
+    import torch  # slow import: see _cuda_devices
 
     if cuda:
         return torch.cuda.is_bf16_supported(including_emulation=False)
@@ -390,11 +447,11 @@ def native_bf16(cuda: bool) -> bool:
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """The composed Hydra config as a validated TrainConfig object."""
+    """The composed Hydra config as a TrainConfig object, validated, then resolved for this machine."""
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, TrainConfig):
         obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
-    return validate(obj)
+    return resolve(validate(obj))
 
 
 def _group_file(group: str, name: str) -> Path:

@@ -2,26 +2,33 @@
 
 Each turn, the prompts of the environments still playing are built, their admissible commands
 become tries, and one ``decoder.act`` call picks a command for each; the environments step and the
-finished ones leave the batch. Used for training rollouts (sampling at temperature T, one seed per
-episode) and for evaluation (greedy); ``play_uniform`` is the random-policy baseline.
+finished ones leave the batch. ``play_games`` is the one entry point: training rollouts (sampling
+at temperature T, one seed per episode), evaluation (greedy), ``textrl-eval`` and the benchmarks
+all play through it; ``play_uniform`` is the random-policy baseline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import random
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from textrl.games.env import Game, Observation
+from textrl.config import EnvConfig
+from textrl.games.env import Game, Observation, open_game
 from textrl.games.pool import game_name
-from textrl.games.workers import reset_games, step_games_async
 from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import Action, Decision, DecodeProfile
+from textrl.games.workers import GameWorkers, reset_games, step_games_async
+from textrl.policy.decoding import Action, ConstrainedDecoder, Decision, DecodeProfile
+from textrl.policy.frozen_prefix import FrozenPrefix
+from textrl.policy.model import PolicyValueModel
 
 
 @dataclass
@@ -63,10 +70,25 @@ class RolloutStats:
     turns: int
     env_s: float = 0.0  # resetting and stepping the games
     decode: DecodeProfile | None = None  # the decoder's share (model calls, drawing); None for the random policy
+    wall_s: float | None = None  # play_games: with opening and closing the games
 
     @property
     def decisions_per_s(self) -> float:
         return self.decisions / max(self.seconds, 1e-9)
+
+    def metrics(self, prefix: str = "rollout") -> dict[str, float]:
+        """``rollout/decisions*`` and where the rollout's time went (``perf/rollout_*``): the games,
+        the model calls (prompts / fork levels), the draws; the rest of ``perf/rollout_s`` is Python
+        (prompts, tries, bookkeeping)."""
+        out = {f"{prefix}/decisions": float(self.decisions), f"{prefix}/decisions_per_s": self.decisions_per_s,
+               "perf/rollout_s": self.wall_s if self.wall_s is not None else self.seconds,
+               "perf/rollout_env_s": self.env_s}
+        if self.decode is not None:
+            d = self.decode
+            out.update({"perf/rollout_prefill_s": d.prefill_s, "perf/rollout_fork_s": d.fork_s,
+                        "perf/rollout_choose_s": d.choose_s, "perf/rollout_tokens": float(d.tokens),
+                        "perf/rollout_tokens_per_s": d.tokens / max(d.prefill_s + d.fork_s, 1e-9)})
+        return out
 
 
 def episode_seeds(seed: int, iteration: int, games: list) -> list[int]:
@@ -83,26 +105,36 @@ def episode_seeds(seed: int, iteration: int, games: list) -> list[int]:
     return seeds
 
 
-def play(envs: list[Game], decoder, prompts: PromptBuilder, temperature: float = 1.0, greedy: bool = False,
-         seeds: list[int] | None = None, bootstrap: bool = False, explore: float = 0.0) -> tuple[list[Episode], RolloutStats]:
-    """Every environment plays one episode with the model behind ``decoder``.
+@dataclass(frozen=True)
+class Sampling:
+    """How a training rollout picks commands: each episode samples from its own seed
+    (``episode_seeds``) at ``temperature``, each fork mixed with ``explore`` x uniform
+    (``textrl.policy.distribution.mix_uniform``). Evaluation plays greedily: no Sampling."""
 
-    Sampling (``greedy=False``) needs one seed per environment (``episode_seeds``) and mixes each
-    fork with ``explore`` x uniform (``textrl.policy.decoding.mix_uniform``). With
-    ``bootstrap``, an episode cut by the step limit gets the value of the state it was cut at
-    (``Episode.bootstrap_value``), for the advantages.
+    temperature: float
+    seeds: list[int]
+    explore: float = 0.0
 
-    ``decoder`` may be a list of decoders (each with its own KV cache): the environments are split
-    into as many contiguous groups, one per decoder, and with games on worker processes one group's
-    games step while the next group decodes (``run_episodes``). A row's command depends
-    on its own seed only, so the grouping changes no draw.
+
+def decode_episodes(envs: list[Game], decoders: list, prompts: PromptBuilder, sampling: Sampling | None = None,
+                    bootstrap: bool = False) -> tuple[list[Episode], RolloutStats]:
+    """Every environment plays one episode with the model behind ``decoders``: sampled with
+    ``sampling`` (one seed per environment), greedy without. With ``bootstrap``, an episode cut by
+    the step limit gets the value of the state it was cut at (``Episode.bootstrap_value``), for the
+    advantages.
+
+    ``decoders`` (each with its own KV cache) split the environments into as many contiguous
+    groups, and with games on worker processes one group's games step while the next group decodes
+    (``run_episodes``). A row's command depends on its own seed only, so the grouping changes no draw.
     """
-    decoders = decoder if isinstance(decoder, list) else [decoder]
     for d in decoders:
         d.reset()
-    if not greedy and (seeds is None or len(seeds) != len(envs)):
-        raise ValueError("sampling needs one seed per environment (see episode_seeds), or greedy=True")
-    rngs = None if greedy else [torch.Generator().manual_seed(s) for s in seeds]
+    if sampling is not None and len(sampling.seeds) != len(envs):
+        raise ValueError("sampling needs one seed per environment (see episode_seeds)")
+    greedy = sampling is None
+    temperature = 1.0 if greedy else sampling.temperature
+    rngs = None if greedy else [torch.Generator().manual_seed(s) for s in sampling.seeds]
+    explore = 0.0 if greedy else sampling.explore
 
     def state(live: list[int], obs: list[Observation]):
         prompt_ids = [prompts.build(o, envs[i].history) for i, o in zip(live, obs)]
@@ -121,6 +153,52 @@ def play(envs: list[Game], decoder, prompts: PromptBuilder, temperature: float =
     episodes, stats = run_episodes(envs, act, value if bootstrap else None, groups=len(decoders))
     profiles = [d.profile for d in decoders if hasattr(d, "profile")]
     stats.decode = DecodeProfile.combined(profiles) if profiles else None
+    return episodes, stats
+
+
+@dataclass
+class Player:
+    """A policy ready to play games: one decoder (KV cache) per group of games, the autocast the
+    policy trains and is evaluated under, and the worker processes games step on (if any).
+    ``capture``: training rollouts record the frozen blocks' outputs for the update."""
+
+    policy: PolicyValueModel
+    tokenizer: object
+    decoders: list[ConstrainedDecoder]
+    autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    workers: GameWorkers | None = None
+    capture: FrozenPrefix | None = None
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+
+def play_games(player: Player, games: list[Path], env: EnvConfig,
+               sampling: Sampling | None = None) -> tuple[list[Episode], RolloutStats]:
+    """Open ``games`` with ``env``'s settings, play one episode each (sampled with ``sampling``,
+    greedy without), close them. The one function training rollouts, evaluation, ``textrl-eval``
+    and the benchmarks play through: the policy in eval mode (gradient checkpointing and dropout
+    act in train mode only) under its autocast, with its frozen weights cast to the autocast dtype
+    once for the rollout instead of at every call."""
+    start = time.perf_counter()
+    envs = player.workers.open(games, env) if player.workers else [open_game(g, env) for g in games]
+    prompts = PromptBuilder.for_env(player.tokenizer, env)
+    was_training = player.policy.training
+    player.policy.eval()
+    for decoder in player.decoders:  # training rollouts keep the frozen blocks' outputs for the update
+        decoder.capture = None if sampling is None else player.capture
+    try:
+        with torch.no_grad(), player.autocast(), player.policy.frozen_linears_in_autocast_dtype():
+            episodes, stats = decode_episodes(envs, player.decoders, prompts, sampling, bootstrap=sampling is not None)
+    finally:
+        player.policy.train(was_training)
+        for e in envs:
+            e.close()
+        for decoder in player.decoders:
+            decoder.reset()  # free the KV cache between rollouts
+    stats.wall_s = time.perf_counter() - start
     return episodes, stats
 
 

@@ -81,6 +81,7 @@ def read_csv(path: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def read_tensorboard(logs: Path) -> dict[str, list[tuple[int, float]]]:
+    # slow import: only runs logged with logger=tensorboard need it
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(logs), size_guidance={"scalars": 0})
@@ -155,7 +156,7 @@ def curve_band(runs: list[Run], metric: str) -> tuple[list[int], list[float], li
 
 
 def plot(runs: list[Run], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # slow import: only the plot needs it
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt

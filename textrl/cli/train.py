@@ -12,13 +12,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
-from textrl.config import CONF_DIR, ConfigError, TrainConfig, register_configs, to_train_config, validate
-from textrl.games.env import GameFileError
+from textrl.config import CONF_DIR, TrainConfig, register_configs, resolve, to_train_config, validate
+from textrl.errors import ConfigError, GameFileError
+from textrl.games.pool import check_games
 from textrl.games.prompt import PromptTooLongError
-from textrl.policy.checkpoint import (CheckpointError, checkpoint_config, frozen_fingerprint, load_policy_weights,
-                                      read_checkpoint)
+from textrl.policy.checkpoint import (CheckpointError, checkpoint_config, frozen_fingerprint, leaves_frozen_weights_out,
+                                      load_policy_weights, read_checkpoint)
 from textrl.policy.model import ModelNotFoundError, build_policy
-from textrl.training.callbacks import AtomicCheckpointIO
+from textrl.training.callbacks import AtomicCheckpointIO, EvaluateLastIteration
 from textrl.training.datamodule import RolloutDataModule
 from textrl.training.loggers import WandbIdCallback, make_logger
 from textrl.training.module import PPOModule
@@ -34,7 +35,8 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
 
     ``callbacks`` are added to the Trainer's (tests use one to stop a run part-way).
     """
-    cfg = validate(cfg) if isinstance(cfg, TrainConfig) else to_train_config(cfg)
+    cfg = resolve(validate(cfg)) if isinstance(cfg, TrainConfig) else to_train_config(cfg)
+    check_games(cfg)  # a bad game family or setting fails here, naming its key, before anything is built
     with machine_slot(cfg):  # a GPU or a group of cores of its own, when jobs share the machine
         return _train(cfg, callbacks)
 
@@ -64,7 +66,7 @@ def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
     frozen_as_built = True  # checkpoints may leave the frozen weights out (they come from the model config)
     if init_state is not None:  # before the module: a KL anchor's reference is this policy
-        slim = cfg.model.trainable_layers is not None and not cfg.memory.lora
+        slim = leaves_frozen_weights_out(cfg)
         built = frozen_fingerprint(policy) if slim else None
         load_policy_weights(policy, init_state, cfg.memory.lora, f"model.init_from={cfg.model.init_from}")
         del init_state
@@ -89,7 +91,7 @@ def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
         accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, strategy=cfg.trainer.strategy,
         num_nodes=cfg.trainer.num_nodes, precision=cfg.memory.precision,
         logger=make_logger(cfg, run_dir, resume_state, resume_iteration),
-        callbacks=[last, best, WandbIdCallback(), *callbacks],
+        callbacks=[last, best, EvaluateLastIteration(), WandbIdCallback(), *callbacks],
         plugins=[AtomicCheckpointIO()],
         check_val_every_n_epoch=cfg.eval.every, num_sanity_val_steps=0, log_every_n_steps=1,
         default_root_dir=run_dir, use_distributed_sampler=False, enable_model_summary=False,
@@ -103,9 +105,9 @@ def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
         trainer.save_checkpoint(checkpoints / "warm_start.ckpt")
         return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "run_dir": run_dir,
                 "last": str(checkpoints / "warm_start.ckpt"), "best": "", "module": module, "trainer": trainer}
+    # evaluations after every eval.every-th iteration and after the last (EvaluateLastIteration), all
+    # inside fit: each is logged as one eval row and judged by `best`
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(cfg.ckpt_path) if cfg.ckpt_path else None)
-    if cfg.iterations % cfg.eval.every:
-        trainer.validate(module, datamodule=datamodule, verbose=False)  # always evaluate the final policy
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {"metrics": metrics, "run_dir": run_dir, "last": last.best_model_path,
             "best": best.best_model_path, "module": module, "trainer": trainer}

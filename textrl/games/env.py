@@ -1,5 +1,6 @@
-"""One game behind ``reset()`` / ``step(command)``: a TextWorld story here, a TextWorldExpress game in
-``textrl.games.express``; ``open_game`` picks by the file.
+"""One game behind ``reset()`` / ``step(command)``: a TextWorld story (``TextGame``) or a
+TextWorldExpress game (``ExpressGame``, its engine in ``textrl.games.express``); ``open_game`` picks
+by the file.
 
 Reward per step = score change + ``win_bonus`` on the winning step − ``loss_penalty`` on the
 losing step − ``step_penalty``. An episode ends when the game is won or lost (``terminated``; only
@@ -17,6 +18,9 @@ from pathlib import Path
 
 import textworld
 
+from textrl.errors import GameFileError
+from textrl.games.express import borrow_engine, read_descriptor, return_engine
+
 REQUEST_INFOS = textworld.EnvInfos(
     objective=True, description=True, inventory=True, admissible_commands=True,
     score=True, max_score=True, won=True, lost=True, extras=["walkthrough"],
@@ -25,10 +29,6 @@ REQUEST_INFOS = textworld.EnvInfos(
 
 class InvalidCommandError(ValueError):
     """A command that is not in the current admissible set."""
-
-
-class GameFileError(ValueError):
-    """A game file that is missing or that TextWorld cannot load."""
 
 
 @dataclass
@@ -89,8 +89,6 @@ def check_game_file(path: Path) -> None:
     if not path.is_file():
         raise GameFileError(f"game file {path} does not exist; generate games with textrl.games.pool.GamePool")
     if path.suffix == ".twx":
-        from textrl.games.express import read_descriptor
-
         read_descriptor(path)
         return
     data = path.read_bytes()[:64]
@@ -231,11 +229,49 @@ class TextGame(Game):
         self._env.close()
 
 
+class ExpressGame(Game):
+    """A TextWorldExpress game, from its ``.twx`` descriptor."""
+
+    def _start(self) -> None:
+        self._spec = read_descriptor(self.game_file)
+        self._env = borrow_engine()
+
+    def _observe(self, infos: dict, feedback: str) -> Observation:
+        return Observation(
+            objective=infos["taskDescription"].strip(),
+            description=infos["look"].strip(),
+            inventory=infos["inventory"].strip(),
+            feedback=feedback,
+            admissible_commands=sorted(set(infos["validActions"])),
+            score=float(infos["score"]),
+            max_score=1.0,
+            won=bool(infos["tasksuccess"]),
+            lost=bool(infos["taskfailure"]),
+        )
+
+    def _reset(self) -> tuple[Observation, list[str]]:
+        s = self._spec
+        try:
+            observation, infos = self._env.reset(seed=s["seed"], gameFold=s["fold"], gameName=s["game"],
+                                                 gameParams=s["params"], generateGoldPath=True)
+        except Exception as exc:  # py4j / engine errors: a descriptor the engine cannot play
+            raise GameFileError(f"TextWorldExpress cannot start {self.game_file} ({s}): {exc}") from exc
+        # the opening observation is often more than the room (Simon Says: the first order)
+        return self._observe(infos, observation.strip()), self._env.getGoldActionSequence()
+
+    def _step(self, command: str) -> Observation:
+        observation, _, _, infos = self._env.step(command)
+        return self._observe(infos, observation.strip())
+
+    def close(self) -> None:
+        if self._env is not None:
+            return_engine(self._env)
+            self._env = None
+
+
 def open_game(game_file: str | Path, env) -> Game:
     """The game behind a game file, with an EnvConfig's step limit, rewards and history length:
     a TextWorld story, or a TextWorldExpress game descriptor (``.twx``, written by the pool)."""
     if Path(game_file).suffix == ".twx":
-        from textrl.games.express import ExpressGame
-
         return ExpressGame.for_env(game_file, env)
     return TextGame.for_env(game_file, env)

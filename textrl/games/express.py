@@ -1,5 +1,6 @@
-"""TextWorldExpress games (CookingWorld, Coin Collector, TWC, MapReader, Arithmetic, Sorting, Simon
-Says, Pecking Order) behind the same ``Game`` interface as TextWorld's.
+"""TextWorldExpress's engine and game descriptors (CookingWorld, Coin Collector, TWC, MapReader,
+Arithmetic, Sorting, Simon Says, Pecking Order); ``textrl.games.env.ExpressGame`` plays them behind
+the same ``Game`` interface as TextWorld's.
 
 TextWorldExpress generates a game from (game name, parameters, fold, seed) inside a Java engine
 (its JAR, driven over py4j). The pool writes that tuple as a small JSON descriptor, ``game.twx``,
@@ -19,7 +20,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from textrl.games.env import Game, GameFileError, Observation
+from textworld_express import TextWorldExpressEnv
+
+from textrl.errors import ConfigError, GameFileError
 
 FOLDS = {"train": "train", "eval": "dev"}  # textrl split -> TextWorldExpress fold
 JAVA_MISSING = ("TextWorldExpress runs its game engine in Java, and no `java` is on the PATH. Install a Java "
@@ -34,15 +37,18 @@ def java_available() -> bool:
     return shutil.which("java") is not None
 
 
-def _engine():
+def borrow_engine():
+    """An idle engine, or a new one; give it back with ``return_engine`` when its game closes."""
     if _idle:
         return _idle.pop()
     if not java_available():
         raise GameFileError(JAVA_MISSING)
-    from textworld_express import TextWorldExpressEnv
-
     # the step limit is textrl's (Game.max_steps); the engine's own one must never cut in first
     return TextWorldExpressEnv(envStepLimit=10**9)
+
+
+def return_engine(engine) -> None:
+    _idle.append(engine)
 
 
 def params_text(settings: dict) -> str:
@@ -52,25 +58,23 @@ def params_text(settings: dict) -> str:
 
 def check_params(game: str, settings: dict) -> None:
     """Let the engine judge the parameters (it names unknown ones and out-of-range values)."""
-    engine = _engine()
+    engine = borrow_engine()
     try:
         engine.load(game, params_text(settings))
     except ValueError as exc:
-        from textrl.config import ConfigError
-
         raise ConfigError(f"env.settings={dict(settings)} for TextWorldExpress game {game!r}: {exc}".strip()) from None
     finally:
-        _idle.append(engine)
+        return_engine(engine)
 
 
 def fold_seeds(game: str, settings: dict, split: str) -> list[int]:
     """The engine's valid seeds of the fold that textrl's ``split`` plays, in order."""
-    engine = _engine()
+    engine = borrow_engine()
     try:
         engine.load(game, params_text(settings))
         return list(engine.getValidSeedsTrain() if FOLDS[split] == "train" else engine.getValidSeedsDev())
     finally:
-        _idle.append(engine)
+        return_engine(engine)
 
 
 def write_descriptor(path: Path, game: str, settings: dict, split: str, seed: int) -> None:
@@ -88,42 +92,3 @@ def read_descriptor(path: Path) -> dict:
         raise GameFileError(f"{path} is not a TextWorldExpress game descriptor ({exc}): it needs "
                             f'{{"game": ..., "params": "k=v,...", "fold": "train|dev|test", "seed": N}}') from exc
 
-
-class ExpressGame(Game):
-    """A TextWorldExpress game, from its ``.twx`` descriptor."""
-
-    def _start(self) -> None:
-        self._spec = read_descriptor(self.game_file)
-        self._env = _engine()
-
-    def _observe(self, infos: dict, feedback: str) -> Observation:
-        return Observation(
-            objective=infos["taskDescription"].strip(),
-            description=infos["look"].strip(),
-            inventory=infos["inventory"].strip(),
-            feedback=feedback,
-            admissible_commands=sorted(set(infos["validActions"])),
-            score=float(infos["score"]),
-            max_score=1.0,
-            won=bool(infos["tasksuccess"]),
-            lost=bool(infos["taskfailure"]),
-        )
-
-    def _reset(self) -> tuple[Observation, list[str]]:
-        s = self._spec
-        try:
-            observation, infos = self._env.reset(seed=s["seed"], gameFold=s["fold"], gameName=s["game"],
-                                                 gameParams=s["params"], generateGoldPath=True)
-        except Exception as exc:  # py4j / engine errors: a descriptor the engine cannot play
-            raise GameFileError(f"TextWorldExpress cannot start {self.game_file} ({s}): {exc}") from exc
-        # the opening observation is often more than the room (Simon Says: the first order)
-        return self._observe(infos, observation.strip()), self._env.getGoldActionSequence()
-
-    def _step(self, command: str) -> Observation:
-        observation, _, _, infos = self._env.step(command)
-        return self._observe(infos, observation.strip())
-
-    def close(self) -> None:
-        if self._env is not None:
-            _idle.append(self._env)
-            self._env = None

@@ -28,7 +28,12 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from textrl.config import ConfigError
+import textworld
+from textworld_express.version import __version__ as TWX_VERSION
+
+from textrl.config import EnvConfig, TrainConfig, default_cache_dir, load_env_config
+from textrl.errors import ConfigError
+from textrl.games import express
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ class _SettingsParser(argparse.ArgumentParser):
 
 def challenge_settings(game: str, settings: Mapping[str, Any]) -> dict[str, Any]:
     """``settings`` checked by the family's own argument parser and completed with its defaults."""
-    from textworld.challenges import CHALLENGES as REGISTERED
+    from textworld.challenges import CHALLENGES as REGISTERED  # slow import: only the challenge families need it
 
     parser = _SettingsParser(prog=game, add_help=False)
     REGISTERED[game][2](parser)
@@ -86,7 +91,7 @@ class GameSpec:
     settings: tuple[tuple[str, Any], ...] = ()  # a challenge family's settings, defaults filled in
 
     @classmethod
-    def from_env(cls, env) -> GameSpec:
+    def from_env(cls, env: EnvConfig) -> GameSpec:
         """The spec of an EnvConfig; a ConfigError names a key that does not fit its ``env.game``."""
         if env.game not in GAMES:
             raise ConfigError(f"env.game={env.game!r} is not allowed: one of {list(GAMES)}")
@@ -104,8 +109,6 @@ class GameSpec:
             raise ConfigError(f"env.{given[0]}={generator[given[0]]!r} is not allowed with env.game={env.game}: "
                               f"set it to null (env.game={env.game} is configured by env.settings)")
         if env.game in EXPRESS:
-            from textrl.games import express
-
             if not express.java_available():
                 raise ConfigError(f"env.game={env.game}: {express.JAVA_MISSING}")
             settings = dict(env.settings)
@@ -122,25 +125,22 @@ class GameSpec:
     @property
     def key(self) -> str:
         """The cache folder: every setting that changes the games, and TextWorld's version."""
-        import textworld
-
         if self.game == "textworld":
             what = f"r{self.rooms}-o{self.objects}-q{self.quest_length}-{self.theme}"
         elif self.game in EXPRESS:
-            from textworld_express.version import __version__
-
-            return "-".join([self.game, *(f"{k}{v}" for k, v in self.settings), f"twx{__version__}"])
+            return "-".join([self.game, *(f"{k}{v}" for k, v in self.settings), f"twx{TWX_VERSION}"])
         else:
             what = "-".join(k if v is True else f"{k}{v}" for k, v in self.settings if v is not False and v is not None)
         return f"{self.game}-{what}-tw{textworld.__version__}"
 
 
-def default_cache_dir() -> Path:
-    """``$TEXTRL_CACHE`` if set, else ``$XDG_CACHE_HOME/textrl`` (``~/.cache/textrl``)."""
-    if os.environ.get("TEXTRL_CACHE"):
-        return Path(os.environ["TEXTRL_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "textrl"
+def check_games(cfg: TrainConfig) -> None:
+    """At start, before anything is built: the games of ``env`` and of each curriculum stage can be
+    made (their family and its settings; TextWorldExpress's engine, in Java, judges its own).
+    A ConfigError names the key."""
+    GameSpec.from_env(cfg.env)
+    for stage in cfg.curriculum.stages:
+        GameSpec.from_env(load_env_config(stage))
 
 
 def seed_for(split: str, index: int) -> int:
@@ -174,7 +174,7 @@ def is_valid_entry(entry: Path, files: tuple[str, ...] = GAME_FILES) -> bool:
 def _generate(spec: GameSpec, seed: int, entry: Path, express_seed: int | None = None) -> str | None:
     """Worker: generate and compile one game into ``entry`` (a TextWorldExpress game: write its
     descriptor, with the engine's ``express_seed``). Returns an error text or None."""
-    import textworld
+    # slow imports (the generator, the families): only generating games needs them
     from textworld.challenges import CHALLENGES as REGISTERED
     from textworld.generator import compile_game, make_game
 
@@ -186,12 +186,11 @@ def _generate(spec: GameSpec, seed: int, entry: Path, express_seed: int | None =
         options.path = str(tmp / "game.z8")
         options.force_recompile = True
         if spec.game in EXPRESS:
-            from textrl.games.express import write_descriptor
-
             split = "train" if seed < EVAL_SEED_BASE else "eval"
             if express_seed is None:
                 raise ValueError(f"TextWorldExpress's fold for textrl's {split} split has no game left for seed {seed}")
-            write_descriptor(tmp / "game.twx", spec.game.removeprefix("twx-"), dict(spec.settings), split, express_seed)
+            express.write_descriptor(tmp / "game.twx", spec.game.removeprefix("twx-"), dict(spec.settings), split,
+                                     express_seed)
         else:
             if spec.game == "textworld":
                 options.nb_rooms, options.nb_objects = spec.rooms, spec.objects
@@ -224,8 +223,6 @@ class GamePool:
 
     def __init__(self, spec: GameSpec | str, cache_dir: str | Path | None = None, workers: int = 2):
         if isinstance(spec, str):
-            from textrl.config import load_env_config
-
             spec = GameSpec.from_env(load_env_config(spec))
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -301,10 +298,9 @@ class GamePool:
 
     def _express_seed(self, seed: int) -> int | None:
         """The engine seed of textrl game ``seed``: the n-th valid seed of the split's fold."""
-        from textrl.games.express import fold_seeds
-
         split, index = ("train", seed) if seed < EVAL_SEED_BASE else ("eval", seed - EVAL_SEED_BASE)
         if split not in self._fold_seeds:
-            self._fold_seeds[split] = fold_seeds(self.spec.game.removeprefix("twx-"), dict(self.spec.settings), split)
+            game = self.spec.game.removeprefix("twx-")
+            self._fold_seeds[split] = express.fold_seeds(game, dict(self.spec.settings), split)
         seeds = self._fold_seeds[split]
         return seeds[index] if index < len(seeds) else None

@@ -65,6 +65,13 @@ def checkpoint_config(state: dict) -> TrainConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
 
 
+def leaves_frozen_weights_out(cfg: TrainConfig) -> bool:
+    """Whether a run's checkpoints hold only what training changes (the trainable blocks, value head
+    and buffers) and take the frozen blocks from the model config: ``model.trainable_layers``
+    without LoRA (LoRA's checkpoints hold the adapters only)."""
+    return cfg.model.trainable_layers is not None and not cfg.memory.lora
+
+
 def frozen_names(module: torch.nn.Module) -> set[str]:
     """State-dict names of the frozen parameters (tied aliases such as a tied ``lm_head`` included)."""
     return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}

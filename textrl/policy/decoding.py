@@ -26,7 +26,7 @@
 
 With ``capture`` (a ``FrozenPrefix``: the model's lower blocks are frozen), every call also keeps the
 last frozen block's output at each row's real tokens, and each action carries its row's tokens and
-outputs so far (``Action.frozen``). The update then replays them (``episode_sequences``) instead of
+outputs so far (``Action.prefix_output``). The update then replays them (``training_sequences``) instead of
 running the frozen blocks over the whole rollout a second time to recompute the old log-probs: the
 rollout already computed exactly that function of the same tokens and positions.
 """
@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 import time
 from dataclasses import dataclass, field, fields
 
 import torch
 
+from textrl.policy.distribution import entropy, fork_index, fork_logprobs
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.ragged_cache import RaggedCache
@@ -67,30 +67,12 @@ class Action:
     temperature: float
     # with the decoder's ``capture``: every token its row's cache holds (this prompt, the earlier
     # turns it extends, this command up to its last fork) and the last frozen block's outputs over
-    # them, in pieces; ``episode_sequences`` takes them over (and sets this back to None)
-    frozen: tuple[list[int], list[torch.Tensor]] | None = field(default=None, compare=False, repr=False)
+    # them, in pieces; ``training_sequences`` takes them over (and sets this back to None)
+    prefix_output: tuple[list[int], list[torch.Tensor]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def logprob(self) -> float:
         return sum(d.logprob for d in self.decisions)
-
-
-def masked_logprobs(logits: torch.Tensor, allowed: torch.Tensor, temperature: float, explore: float = 0.0) -> torch.Tensor:
-    """Log-probs over the allowed tokens (``allowed``: bool mask over the vocabulary), mixed with
-    ``explore`` x uniform over them (``mix_uniform``)."""
-    scaled = logits.float() / temperature
-    return mix_uniform(torch.log_softmax(scaled.masked_fill(~allowed, float("-inf")), dim=-1), allowed, explore)
-
-
-def mix_uniform(logp: torch.Tensor, allowed: torch.Tensor, explore: float) -> torch.Tensor:
-    """log((1 - e) p + e / n) over each row's n allowed entries (-inf elsewhere): every admissible
-    child keeps at least e / n of the probability however sure the model's prior is, which is what
-    lets a policy that puts p = 0.95 on the wrong verb still try the right one. Differentiable in p."""
-    if explore == 0.0:
-        return logp
-    n = allowed.sum(-1, keepdim=True).to(logp.dtype)
-    mixed = torch.logaddexp(logp + math.log1p(-explore), torch.log(explore / n))
-    return mixed.masked_fill(~allowed, float("-inf"))
 
 
 @dataclass
@@ -137,7 +119,7 @@ class ConstrainedDecoder:
         self.slots: list = []
         self.fed: list[list[int]] = []  # real tokens already in each row's cache
         self.captured: list[list[torch.Tensor]] = []  # with ``capture``: the frozen output at each of them
-        self.profile = DecodeProfile()  # a new one: play() hands the finished one to its caller
+        self.profile = DecodeProfile()  # a new one: decode_episodes() hands the finished one to its caller
 
     @property
     def device(self) -> torch.device:
@@ -208,7 +190,7 @@ class ConstrainedDecoder:
         """One command per row. Sampling draws each row's randomness from its own CPU generator
         ``rngs[row]``, so a row's command depends on its generator alone, never on the batch.
         ``explore`` mixes each fork's distribution with uniform (``mix_uniform``; sampling only)."""
-        temperature = check_temperature(temperature, greedy)
+        temperature = recorded_temperature(temperature, greedy)
         if not greedy and (rngs is None or len(rngs) != len(slots)):
             raise ValueError("sampling needs one torch.Generator per row (rngs), or greedy=True")
         cursors = [Cursor(trie) for trie in tries]
@@ -228,7 +210,7 @@ class ConstrainedDecoder:
         actions = [c.action(temperature) for c in cursors]
         if self.capture is not None:
             for action, fed, captured in zip(actions, self.fed, self.captured):
-                action.frozen = (list(fed), list(captured))
+                action.prefix_output = (list(fed), list(captured))
         return actions
 
     @torch.no_grad()
@@ -240,7 +222,7 @@ class ConstrainedDecoder:
         return self.policy.value(hidden).float().cpu().tolist()
 
 
-def check_temperature(temperature: float, greedy: bool) -> float:
+def recorded_temperature(temperature: float, greedy: bool) -> float:
     """The temperature the log-probs are recorded at: T for sampling, 1 for greedy."""
     if greedy:
         return 1.0
@@ -286,16 +268,6 @@ def forced_action(trie: CommandTrie, command: str) -> Action:
     return cursor.action(1.0)
 
 
-def fork_index(allowed: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index, valid) of forks with these allowed token ids: one row per fork, padded to the widest
-    by repeating its first id, and which entries are real. The rollout (``choose``) and the update
-    (``textrl.ppo.buffer.decision_forward``) read the logits of exactly these entries."""
-    width = max(len(a) for a in allowed)
-    index = torch.tensor([a + a[:1] * (width - len(a)) for a in allowed], device=device)
-    valid = torch.tensor([[k < len(a) for k in range(width)] for a in allowed], device=device)
-    return index, valid
-
-
 def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], temperature: float, greedy: bool,
            rngs: list[torch.Generator] | None, explore: float = 0.0) -> None:
     """Sample (or take the argmax of) each cursor's fork from the hidden states ``last`` and advance it.
@@ -307,9 +279,8 @@ def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], 
     values = policy.value(last).float().cpu()
     children = [sorted(c.node.children) for c in cursors]
     index, valid = fork_index(children, last.device)
-    scaled = (policy.logits_of(last, index) / temperature).masked_fill(~valid, float("-inf"))
-    logp = mix_uniform(torch.log_softmax(scaled, dim=-1), valid, explore).cpu()
-    entropy = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+    logp = fork_logprobs(policy.logits_of(last, index), valid, temperature, explore).cpu()
+    spread = entropy(logp)
     for i, cursor in enumerate(cursors):
         if greedy:
             k = int(logp[i].argmax())
@@ -317,7 +288,7 @@ def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], 
             cdf = logp[i, : len(children[i])].double().exp().cumsum(0)
             u = torch.rand((), generator=rngs[i], dtype=torch.float64) * cdf[-1]
             k = min(int(torch.searchsorted(cdf, u, right=True)), len(children[i]) - 1)
-        cursor.choose(children[i][k], float(logp[i, k]), float(values[i]), float(entropy[i]))
+        cursor.choose(children[i][k], float(logp[i, k]), float(values[i]), float(spread[i]))
 
 
 class PromptCache:
@@ -371,7 +342,7 @@ def score_commands(policy: PolicyValueModel, prompt: list[int], trie: CommandTri
                 row = first if k == 0 else logits[i, k - 1]
                 allowed = torch.zeros_like(row, dtype=torch.bool)
                 allowed[list(node.children)] = True
-                total += float(masked_logprobs(row, allowed, 1.0)[token])
+                total += float(fork_logprobs(row, allowed)[token])
             node = node.children[token]
         out[c] = float(torch.tensor(total).exp())
     return out

@@ -32,7 +32,7 @@ def quantization_config(memory):
     """bitsandbytes 4-bit (NF4) loading for QLoRA, or None."""
     if not memory.quantize_4bit:
         return None
-    from transformers import BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig  # slow import, and QLoRA (CUDA only) is the one user
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=torch.bfloat16)
@@ -41,7 +41,7 @@ def quantization_config(memory):
 def apply_memory(lm: nn.Module, memory) -> nn.Module:
     """Gradient checkpointing and LoRA adapters; returns the (possibly wrapped) LM."""
     if memory.quantize_4bit:
-        from peft import prepare_model_for_kbit_training
+        from peft import prepare_model_for_kbit_training  # slow import: only QLoRA needs it
 
         lm = prepare_model_for_kbit_training(lm, use_gradient_checkpointing=memory.grad_ckpt,
                                              gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -50,7 +50,7 @@ def apply_memory(lm: nn.Module, memory) -> nn.Module:
         # in eval mode, where transformers skips checkpointing
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if memory.lora:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # slow import: only LoRA needs it
 
         config = LoraConfig(r=memory.lora_r, lora_alpha=memory.lora_alpha, lora_dropout=0.0, bias="none",
                             target_modules=lora_targets(lm.config.model_type, memory.lora_targets),
@@ -72,7 +72,7 @@ def make_optimizer(lm_params: list, value_params: list, memory, lr_lm: float, lr
         fused = memory.precision != "16-mixed" and all(
             p.device.type in ("cpu", "cuda") for group in groups for p in group["params"])
         return torch.optim.AdamW(groups, weight_decay=weight_decay, fused=fused or None)
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # slow import that probes for CUDA: only the 8-bit optimizer needs it
 
     manager = bnb.optim.GlobalOptimManager.get_instance()
     for param in value_params:  # the small value head keeps 32-bit states

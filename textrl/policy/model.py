@@ -15,14 +15,18 @@ import importlib.util
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+from huggingface_hub import constants as hub_constants
 from torch import nn
 
-from textrl.config import ModelConfig, load_model_config
+from textrl.config import ModelConfig, default_cache_dir, load_model_config
+from textrl.policy.memory import apply_memory, quantization_config
 from textrl.policy.ragged_cache import routed_to_ragged
 
 log = logging.getLogger(__name__)
@@ -33,8 +37,6 @@ class ModelNotFoundError(RuntimeError):
 
 
 def model_cache_dir(cache_dir: str | Path | None) -> Path:
-    from textrl.games.pool import default_cache_dir
-
     return Path(cache_dir or default_cache_dir()) / "models"
 
 
@@ -53,7 +55,7 @@ def _gguf_dir(cfg: ModelConfig) -> tuple[Path, str]:
 
 def _converted_gguf(cfg: ModelConfig, cache_dir: str | Path | None) -> Path:
     """The safetensors copy of a GGUF model, converting (about 30 s) on first use."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # slow import: only loading a model needs it
 
     target = model_cache_dir(cache_dir) / cfg.name
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
@@ -93,14 +95,9 @@ def _hub_location(cfg: ModelConfig) -> str:
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
     """One quick connection attempt: huggingface_hub would otherwise retry for about a minute."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
+    if hub_constants.HF_HUB_OFFLINE:
         return False
-    url = urlparse(constants.ENDPOINT)
+    url = urlparse(hub_constants.ENDPOINT)
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
         return True
@@ -123,7 +120,7 @@ def _from_pretrained(cls, cfg: ModelConfig, location: str, **kwargs):
 
 
 def load_tokenizer(cfg: ModelConfig, cache_dir: str | Path | None = None):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # slow import: only loading a model needs it
 
     if cfg.source == "random":
         return load_tokenizer(load_model_config(cfg.tokenizer_from), cache_dir)
@@ -137,12 +134,10 @@ def load_tokenizer(cfg: ModelConfig, cache_dir: str | Path | None = None):
 
 
 def _not_found(cfg: ModelConfig, location: str, exc: Exception) -> ModelNotFoundError:
-    from huggingface_hub.constants import HF_HUB_CACHE
-
     return ModelNotFoundError(
         f"model '{cfg.name}' could not be loaded from '{location}'. Looked in: the local path "
-        f"(model.path={cfg.path}), the Hugging Face cache ({HF_HUB_CACHE}) and the hub (unreachable, or "
-        f"the files are missing). To get it, run `hf download {cfg.hub_id}` on a machine that reaches "
+        f"(model.path={cfg.path}), the Hugging Face cache ({hub_constants.HF_HUB_CACHE}) and the hub "
+        f"(unreachable, or the files are missing). To get it, run `hf download {cfg.hub_id}` on a machine that reaches "
         f"the hub and copy its cache here, or pass model.path=/dir/with/config.json/and/weights. "
         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
@@ -162,7 +157,7 @@ def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     else, transformers' function unchanged. (The rollout decoder's calls run
     ``textrl.policy.ragged_cache.ragged_attention`` instead.)
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # slow import: see load_lm
 
     groups = getattr(module, "num_key_value_groups", 1)
     if query.device.type != "cpu" or groups == 1 or attention_mask is None or query.shape[2] == 1 \
@@ -176,6 +171,7 @@ def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scali
 
 def register_attention() -> None:
     """Make ``SDPA`` a name transformers knows, with SDPA's mask format."""
+    # slow imports: see load_lm
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -221,6 +217,8 @@ def without_dropout(config):
 def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None, quantization=None) -> nn.Module:
     """The causal LM in fp32 (mixed precision is applied at run time, never to the master weights),
     with dropout off."""
+    # slow import (transformers' model classes), kept to the functions that build or run a model:
+    # the modules that import this one for its types do not pay for it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation(cfg)}
@@ -280,7 +278,7 @@ class PolicyValueModel(nn.Module):
         self.detach_value = detach_value
 
     def new_cache(self):
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # slow import: see load_lm
 
         return DynamicCache(config=self.lm.config)
 
@@ -391,8 +389,6 @@ def freeze_below_top_layers(lm: nn.Module, n: int) -> None:
 
 def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | Path | None = None, memory=None):
     """(PolicyValueModel, tokenizer) for a model config, with the memory options applied."""
-    from textrl.policy.memory import apply_memory, quantization_config
-
     tokenizer = load_tokenizer(cfg, cache_dir)
     lm = load_lm(cfg, tokenizer, cache_dir, quantization_config(memory) if memory is not None else None)
     if cfg.trainable_layers is not None:

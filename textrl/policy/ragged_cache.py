@@ -180,7 +180,7 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 def routed_to_ragged(config):
     """Inside, the model's attention layers call ``ragged_attention``; transformers builds no mask
     for it (no mask function is registered under ``RAGGED``)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # slow import: see textrl.policy.model.load_lm
 
     AttentionInterface.register(RAGGED, ragged_attention)
     saved = config._attn_implementation

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from textrl.rollout import Episode
+
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, discounts: torch.Tensor, lam: float,
         last_value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,3 +89,58 @@ def whiten(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     if x.numel() < 2:
         return x - x.mean()
     return (x - x.mean()) / (x.std() + eps)
+
+
+def episode_gae(episode: Episode, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) of an episode's decisions, in order, under the rule above; ``values``
+    are the decisions' value estimates in the same order. float64."""
+    rewards, discounts, first, counts = [], [], [], []
+    k = 0
+    for step in episode.steps:
+        n = len(step.action.decisions)
+        if n:
+            rewards.append(step.reward)
+            discounts.append(gamma)
+            first.append(float(values[k]))
+            counts.append(n)
+            k += n
+        elif rewards:  # a turn without a decision: part of the previous turn's transition
+            rewards[-1] += discounts[-1] * step.reward
+            discounts[-1] *= gamma
+    if k != len(values):
+        raise ValueError(f"{len(values)} values for the {k} decisions of {episode.game}")
+    f64 = torch.float64
+    if not rewards:
+        return torch.zeros(0, dtype=f64), torch.zeros(0, dtype=f64)
+    if episode.truncated and episode.bootstrap_value is None:
+        raise ValueError(f"the episode of {episode.game} was truncated but has no bootstrap value: "
+                         f"play training rollouts with bootstrap=True")
+    last = episode.bootstrap_value if episode.truncated else 0.0
+    _, turn_returns = gae(torch.tensor(rewards, dtype=f64), torch.tensor(first, dtype=f64),
+                          torch.tensor(discounts, dtype=f64), lam, last)
+    returns = torch.repeat_interleave(turn_returns, torch.tensor(counts))
+    return returns - values.to(f64), returns
+
+
+def rollout_advantages(episodes: list[Episode], values: torch.Tensor, gamma: float, lam: float,
+                       estimator: str = "gae", normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) of every decision of the rollout, flat in rollout order (episodes,
+    turns, forks); advantages whitened over the rollout when ``normalize``. float64.
+
+    ``gae``: per decision, from ``values`` (``episode_gae``). ``grpo`` / ``rloo``: one advantage per
+    episode, from its return against the other episodes of its game, given to each of its
+    decisions; ``returns`` then hold the episode's return (no value target).
+    """
+    counts = [sum(len(s.action.decisions) for s in e.steps) for e in episodes]
+    if estimator == "gae":
+        parts = [episode_gae(e, v, gamma, lam) for e, v in zip(episodes, values.split(counts))]
+        advantages = torch.cat([a for a, _ in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+        returns = torch.cat([r for _, r in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+    else:
+        totals = torch.tensor([e.total_return for e in episodes], dtype=torch.float64)
+        group = {"grpo": grpo, "rloo": rloo}[estimator](totals, [e.game for e in episodes])
+        advantages = torch.repeat_interleave(group, torch.tensor(counts, dtype=torch.long))
+        returns = torch.repeat_interleave(totals, torch.tensor(counts, dtype=torch.long))
+    if normalize and advantages.numel():
+        advantages = whiten(advantages)
+    return advantages, returns

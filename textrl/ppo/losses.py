@@ -1,9 +1,10 @@
 """The PPO loss, as pure functions of per-decision tensors.
 
-All inputs are flat over the decision tokens of a minibatch. ``logits`` [decisions, width] are the
-model's next-token logits of each fork's allowed tokens (``textrl.ppo.buffer.Decisions``), ``valid``
-marks the real entries of each row and ``chosen`` the entry taken. Logits over the whole vocabulary
-with ``valid`` the fork's children are the same computation (width = vocabulary), only slower.
+A decision is one sampled token at a fork of the command trie. ``DecisionBatch`` holds a
+minibatch's decisions flat: ``logits`` [decisions, width] are the model's next-token logits of each
+fork's allowed tokens (``textrl.ppo.sequences.decision_forward``), ``valid`` marks the real entries
+of each row and ``chosen`` the entry taken. Logits over the whole vocabulary with ``valid`` the
+fork's children are the same computation (width = vocabulary), only slower.
 """
 
 from __future__ import annotations
@@ -12,7 +13,34 @@ from dataclasses import dataclass
 
 import torch
 
-from textrl.policy.decoding import masked_logprobs
+from textrl.policy.distribution import entropy, fork_logprobs, kl_to_reference
+
+
+@dataclass
+class DecisionBatch:
+    """A minibatch's decisions: the update's forward (``logits``, ``values``) beside what the
+    rollout and the advantage estimator fixed for the iteration."""
+
+    logits: torch.Tensor  # [decisions, width] the fork's allowed tokens' logits
+    valid: torch.Tensor  # [decisions, width] bool: real entries
+    chosen: torch.Tensor  # [decisions] long: the entry taken
+    temperatures: torch.Tensor  # [decisions] the temperature it was sampled at
+    old_logprobs: torch.Tensor  # [decisions] log-prob of the chosen entry under the rollout's policy
+    advantages: torch.Tensor  # [decisions]
+    values: torch.Tensor  # [decisions] the value head's estimate (update's forward)
+    returns: torch.Tensor  # [decisions] value targets
+    ref_logprobs: torch.Tensor | None = None  # [decisions, width] the KL anchor's, -inf at the padding
+
+
+@dataclass(frozen=True)
+class LossCoefs:
+    """The loss's settings (their defaults: ``PPOConfig``)."""
+
+    clip: float  # ratio clip range
+    vf_coef: float  # value loss weight (0: no value head)
+    ent_coef: float  # entropy bonus weight
+    kl_coef: float  # weight of the exact KL to the reference policy
+    explore: float  # the policy mixes each fork with this share of uniform, as in the rollout
 
 
 @dataclass
@@ -31,53 +59,34 @@ class PPOTerms:
     kl_ref: torch.Tensor  # exact KL(policy || reference) over the allowed tokens, summed (0 without one)
 
 
-def entropy_over_allowed(logprobs: torch.Tensor) -> torch.Tensor:
-    """Entropy of each masked distribution (disallowed entries are -inf and contribute 0)."""
-    probs = logprobs.exp()
-    return -(probs * logprobs.masked_fill(probs == 0, 0.0)).sum(-1)
-
-
-def kl_over_allowed(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Exact KL(p || ref) of each decision over its fork's allowed tokens (a few logits, no estimator).
-
-    ``logp`` [decisions, width]: the policy's log-probs of the allowed tokens (-inf at the padding);
-    ``ref_logp`` [decisions, width]: the reference's log-probs of the same tokens, -inf at the padding.
-    """
-    valid = torch.isfinite(ref_logp)
-    # zeros at the padding before any arithmetic: exp(-inf) x -inf there would be a NaN gradient
-    logp = logp.masked_fill(~valid, 0.0)
-    terms = logp.exp() * (logp - ref_logp.masked_fill(~valid, 0.0))
-    return terms.masked_fill(~valid, 0.0).sum(-1)
-
-
-def ppo_loss(logits: torch.Tensor, valid: torch.Tensor, chosen: torch.Tensor, temperatures: torch.Tensor,
-             old_logprobs: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor, returns: torch.Tensor,
-             clip: float, vf_coef: float, ent_coef: float, normalizer: float, kl_coef: float = 0.0,
-             reference: torch.Tensor | None = None, explore: float = 0.0) -> PPOTerms:
+def ppo_loss(mb: DecisionBatch, coefs: LossCoefs, normalizer: float) -> PPOTerms:
     """Clipped PPO loss of a minibatch's decisions, summed and divided by ``normalizer``.
 
     ``normalizer`` is the number of decisions in the whole optimizer step this minibatch belongs
     to: the gradients of its minibatches then add up to the gradient of the mean over all of the
     step's decisions, however the step is split (each decision weighs the same, whether it comes
-    from a one-turn win or a thirty-turn failure). ``reference`` (the reference policy's log-probs
-    of the same entries, -inf at the padding) adds ``kl_coef`` x the exact KL to it at each
-    decision (``kl_over_allowed``).
-    ``explore``: the policy is the fork's softmax mixed with uniform, as in the rollout (``mix_uniform``).
+    from a one-turn win or a thirty-turn failure). With ``mb.ref_logprobs``, ``kl_coef`` x the exact
+    KL to the reference is added at each decision (``kl_to_reference``).
     """
-    logp_all = masked_logprobs(logits / temperatures[:, None], valid, 1.0, explore)
-    logp = logp_all.gather(1, chosen[:, None]).squeeze(1)
-    log_ratio = logp - old_logprobs
-    ratio = log_ratio.exp()
-    policy = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip)).sum()
-    value = 0.5 * (values - returns).pow(2).sum()
-    entropy = entropy_over_allowed(logp_all).sum()
-    kl = kl_over_allowed(logp_all, reference).sum() if reference is not None else torch.zeros((), device=logits.device)
-    loss = (policy + vf_coef * value - ent_coef * entropy + kl_coef * kl) / normalizer
+    newlogprobs_all = fork_logprobs(mb.logits, mb.valid, mb.temperatures[:, None], coefs.explore)
+    newlogprob = newlogprobs_all.gather(1, mb.chosen[:, None]).squeeze(1)
+    logratio = newlogprob - mb.old_logprobs
+    ratio = logratio.exp()
+
+    pg_loss1 = -mb.advantages * ratio
+    pg_loss2 = -mb.advantages * torch.clamp(ratio, 1 - coefs.clip, 1 + coefs.clip)
+    pg_loss = torch.max(pg_loss1, pg_loss2).sum()
+    v_loss = 0.5 * (mb.values - mb.returns).pow(2).sum()
+    entropy_sum = entropy(newlogprobs_all).sum()
+    kl_ref = (kl_to_reference(newlogprobs_all, mb.ref_logprobs).sum() if mb.ref_logprobs is not None
+              else torch.zeros((), device=mb.logits.device))
+    loss = (pg_loss + coefs.vf_coef * v_loss - coefs.ent_coef * entropy_sum + coefs.kl_coef * kl_ref) / normalizer
+
     with torch.no_grad():
-        approx_kl = ((ratio - 1) - log_ratio).sum()
-        clipped = ((ratio - 1).abs() > clip).sum().float()
-    return PPOTerms(loss, policy.detach(), value.detach(), entropy.detach(), approx_kl, clipped,
-                    ratio.detach().sum(), log_ratio.detach(), kl.detach())
+        approx_kl = ((ratio - 1) - logratio).sum()
+        clipped = ((ratio - 1).abs() > coefs.clip).sum().float()
+    return PPOTerms(loss, pg_loss.detach(), v_loss.detach(), entropy_sum.detach(), approx_kl, clipped,
+                    ratio.detach().sum(), logratio.detach(), kl_ref.detach())
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:

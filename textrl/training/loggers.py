@@ -5,14 +5,18 @@ from __future__ import annotations
 import csv
 import hashlib
 import logging
+import netrc
 import os
 from pathlib import Path
+from urllib.parse import urlparse
 
 import lightning as L
-from lightning.pytorch.loggers import CSVLogger
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from omegaconf import OmegaConf
 
 from textrl.config import TrainConfig
+from textrl.transcripts import COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,6 @@ class WandbIdCallback(L.Callback):
 def wandb_api_key() -> str | None:
     """The W&B key the way wandb finds it: $WANDB_API_KEY, else the netrc entry `wandb login`
     writes for the W&B host ($NETRC or ~/.netrc)."""
-    import netrc
-    from urllib.parse import urlparse
-
     if os.environ.get("WANDB_API_KEY"):
         return os.environ["WANDB_API_KEY"]
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
@@ -90,8 +91,6 @@ def wandb_group(cfg: TrainConfig) -> str:
     groups), so W&B's grouped view shows each configuration's seeds as one line with a band. Runs
     started from code (no Hydra) group by their experiment name. W&B allows 128 characters: a
     longer name keeps its start and a hash of the whole."""
-    from hydra.core.hydra_config import HydraConfig
-
     if HydraConfig.initialized():
         group = configuration(list(HydraConfig.get().overrides.task))
     else:
@@ -106,11 +105,7 @@ def make_logger(cfg: TrainConfig, run_dir: Path, resume_state: dict | None, resu
     if name == "csv":
         return ResumableCSVLogger(save_dir=run_dir, name="", version="logs", resume_iteration=resume_iteration)
     if name == "tensorboard":
-        from lightning.pytorch.loggers import TensorBoardLogger
-
         return TensorBoardLogger(save_dir=run_dir, name="", version="logs")  # event files append
-    from lightning.pytorch.loggers import WandbLogger
-
     mode = os.environ.get("WANDB_MODE")
     offline = mode == "offline" or (mode is None and not wandb_api_key())
     if offline and mode is None:
@@ -128,10 +123,6 @@ def log_transcripts(logger, rows: list[list], markdown: str, iteration: int) -> 
     ``textrl.transcripts.COLUMNS``; each evaluation is a new version of the ``eval/transcripts``
     table) or TensorBoard text (the Markdown, under the iteration). The csv logger has the Markdown
     files in ``transcripts/`` only."""
-    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
-
-    from textrl.transcripts import COLUMNS
-
     if isinstance(logger, WandbLogger):
         logger.log_table("eval/transcripts", columns=COLUMNS, data=rows)
     elif isinstance(logger, TensorBoardLogger):

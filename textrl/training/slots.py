@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from textrl.config import ConfigError, TrainConfig
+from textrl.config import TrainConfig
+from textrl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

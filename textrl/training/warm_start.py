@@ -33,10 +33,11 @@ from textrl.config import ConfigError, TrainConfig
 from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import forced_action, masked_logprobs
+from textrl.policy.decoding import forced_action
+from textrl.policy.distribution import fork_logprobs
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
-from textrl.ppo.buffer import Sequence, decision_forward, episode_sequences
+from textrl.ppo.sequences import TrainingSequence, decision_forward, training_sequences
 from textrl.rollout import Episode, Step
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,13 @@ def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainCo
     return kept, skipped
 
 
-def _decision_logprobs(policy: PolicyValueModel, batch: list[Sequence], pad_id: int) -> torch.Tensor:
+def _decision_logprobs(policy: PolicyValueModel, batch: list[TrainingSequence], pad_id: int) -> torch.Tensor:
     d = decision_forward(policy, batch, pad_id)
-    return masked_logprobs(d.logits, d.valid, 1.0).gather(1, d.chosen[:, None]).squeeze(1)
+    return fork_logprobs(d.logits, d.valid).gather(1, d.chosen[:, None]).squeeze(1)
 
 
 @torch.no_grad()
-def command_probability(policy: PolicyValueModel, sequences: list[Sequence], pad_id: int, fabric,
+def command_probability(policy: PolicyValueModel, sequences: list[TrainingSequence], pad_id: int, fabric,
                         turns: list[int], batch: int) -> float:
     """Mean over the walkthrough's turns of the probability the policy gives the whole command
     (the product over its decisions). ``turns[k]``: the turn of the k-th decision, in order."""
@@ -115,7 +116,7 @@ def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[st
     if skipped:
         log.warning("warm start: %d of %d walkthroughs skipped (a command not admissible, or no win "
                     "within the step limit): %s", len(skipped), len(games), ", ".join(skipped[:5]))
-    sequences = [s for episode in episodes for s in episode_sequences(episode)]
+    sequences = training_sequences(episodes).sequences
     # the turn of each decision, in the order the sequences hold them
     steps = [step for episode in episodes for step in episode.steps]
     turns = [t for t, step in enumerate(steps) for _ in step.action.decisions]

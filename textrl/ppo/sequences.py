@@ -1,0 +1,194 @@
+"""Rollout episodes -> training sequences, the one forward over a batch of them, and the
+optimizer steps over them.
+
+Consecutive turns of an episode are merged into one sequence whenever the next prompt extends
+the previous prompt + command (the prompt builder makes prompts append-only until history is
+truncated), so one forward over the sequence gives the new log-probs of the decisions of all those
+turns at once. Causal attention makes this exactly the computation of one forward per turn.
+
+A sequence is built once and never written to. What belongs to its decisions (the rollout's
+log-probs and values, then old log-probs, advantages, returns, reference log-probs) lives in flat
+tensors over all of the iteration's decisions, in rollout order; ``TrainingSequence.decisions``
+is where a sequence's decisions sit in them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from textrl.policy.distribution import fork_index
+from textrl.policy.frozen_prefix import FrozenPrefix
+from textrl.policy.model import PolicyValueModel
+from textrl.rollout import Episode
+
+
+@dataclass(frozen=True)
+class TrainingSequence:
+    index: int  # its place in the iteration's sequences (PrefixOutputs keeps its recording there)
+    first: int  # its first decision's place in the iteration's flat decision order
+    input_ids: list[int]
+    positions: list[int]  # the hidden state index that predicts each decision token
+    allowed: list[list[int]]  # each decision's fork: its children, sorted
+    tokens: list[int]  # each decision's token taken
+
+    @property
+    def decisions(self) -> range:
+        return range(self.first, self.first + len(self.tokens))
+
+
+@dataclass
+class RolloutDecisions:
+    """An iteration's training sequences and what the rollout recorded at each decision, flat in
+    rollout order (episodes, turns, forks)."""
+
+    sequences: list[TrainingSequence]
+    logprobs: torch.Tensor  # [decisions] float32: log-prob of the token taken, as sampled
+    values: torch.Tensor  # [decisions] float32: the value head's estimate at the fork
+    temperatures: torch.Tensor  # [decisions] float32: the temperature it was sampled at
+    # per sequence, the last frozen block's output over its input_ids as the rollout recorded it
+    # (textrl.policy.frozen_prefix), or None
+    prefix_outputs: list[torch.Tensor | None]
+
+    @property
+    def count(self) -> int:
+        return self.logprobs.numel()
+
+
+def training_sequences(episodes: list[Episode]) -> RolloutDecisions:
+    """The episodes' turns merged into sequences (module docstring), each ending at its last
+    decision's position: the tokens after it feed nothing the update reads. When the rollout kept the
+    frozen blocks' outputs (``Action.prefix_output``), the sequence's are taken over (the action's
+    reference is dropped, so the iteration holds one copy)."""
+    sequences: list[TrainingSequence] = []
+    prefix_outputs: list[torch.Tensor | None] = []
+    logprobs, values, temperatures = [], [], []
+    for episode in episodes:
+        current: _Merging | None = None
+        merged: list[_Merging] = []
+        for step in episode.steps:
+            prompt = step.prompt_ids
+            if current is None or current.ids != prompt[: len(current.ids)]:
+                current = _Merging(first=len(logprobs))
+                merged.append(current)
+            current.ids += prompt[len(current.ids):] + step.action.command_ids
+            for d in step.action.decisions:
+                current.positions.append(len(prompt) + d.index - 1)
+                current.allowed.append(d.allowed)
+                current.tokens.append(d.token)
+                logprobs.append(d.logprob)
+                values.append(d.value)
+                temperatures.append(step.action.temperature)
+            if step.action.prefix_output is not None:  # the row's cache so far: the latest covers it all
+                current.captured, step.action.prefix_output = step.action.prefix_output, None
+        for m in merged:
+            if m.tokens:
+                ids = m.ids[: max(m.positions) + 1]
+                sequences.append(TrainingSequence(len(sequences), m.first, ids, m.positions, m.allowed, m.tokens))
+                prefix_outputs.append(_recorded_prefix(m.captured, ids))
+    f32 = torch.float32
+    return RolloutDecisions(sequences, torch.tensor(logprobs, dtype=f32), torch.tensor(values, dtype=f32),
+                            torch.tensor(temperatures, dtype=f32), prefix_outputs)
+
+
+@dataclass
+class _Merging:
+    """A sequence while its turns are merged."""
+
+    first: int
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    allowed: list[list[int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    captured: tuple[list[int], list[torch.Tensor]] | None = None
+
+
+def _recorded_prefix(captured: tuple[list[int], list[torch.Tensor]] | None, ids: list[int]) -> torch.Tensor | None:
+    """The rollout's recording over exactly ``ids``; None when there is none, or when the decoder
+    restarted the row where the sequence did not break (the sequence's first forward records it)."""
+    if captured is None:
+        return None
+    fed, pieces = captured
+    return torch.cat(pieces)[: len(ids)] if fed[: len(ids)] == ids else None
+
+
+@dataclass
+class PrefixOutputs:
+    """The frozen blocks' output over each sequence, kept for the iteration: every forward over a
+    sequence that has one replays it instead of running the frozen blocks; a forward over one that
+    has none records it here (``decision_forward``)."""
+
+    frozen: FrozenPrefix
+    outputs: list[torch.Tensor | None]
+
+
+class ForkOutputs(NamedTuple):
+    """A forward's outputs at the decisions of a batch of sequences, flat in order. Each fork's
+    allowed tokens are one row, padded to the widest fork (``fork_index``; ``valid`` marks the
+    real entries): the logits of the rest of the vocabulary are never computed, as in the
+    rollout (``PolicyValueModel.logits_of``)."""
+
+    logits: torch.Tensor  # [decisions, width] float32
+    valid: torch.Tensor  # [decisions, width] bool
+    chosen: torch.Tensor  # [decisions] long: the entry (column) of the token taken
+    values: torch.Tensor  # [decisions]
+    fed: int  # real tokens fed (padding left out)
+
+
+def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pad_id: int,
+                     prefix: PrefixOutputs | None = None) -> ForkOutputs:
+    """One right-padded forward over the sequences: the logits of each decision's allowed tokens
+    and its value. Shared by the PPO update and the warm start.
+
+    With ``prefix``, a batch whose sequences all have a recorded frozen-block output skips the
+    frozen blocks; any other batch runs in full and records it in ``prefix`` for later forwards."""
+    device = next(policy.parameters()).device
+    width = max(len(s.input_ids) for s in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(batch):  # right padding: positions are plain 0..n-1, as in the rollout
+        ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        mask[r, : len(s.input_ids)] = 1
+    positions = torch.arange(width)[None].expand_as(ids)
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    if prefix is None:
+        hidden, _ = policy.hidden(ids, mask, positions)
+    elif all(prefix.outputs[s.index] is not None for s in batch):
+        # zeros at the padding: causal attention keeps them out of every real position
+        recorded = torch.nn.utils.rnn.pad_sequence([prefix.outputs[s.index] for s in batch], batch_first=True)
+        with prefix.frozen.replay(recorded):
+            hidden, _ = policy.hidden(ids, mask, positions)
+    else:
+        with prefix.frozen.record() as recorded:
+            hidden, _ = policy.hidden(ids, mask, positions)
+        output = prefix.frozen.recorded_output(recorded)
+        for r, s in enumerate(batch):
+            prefix.outputs[s.index] = output[r, : len(s.input_ids)].detach()
+    rows = torch.tensor([r for r, s in enumerate(batch) for _ in s.positions], device=device)
+    cols = torch.tensor([c for s in batch for c in s.positions], device=device)
+    h = hidden[rows, cols]
+    allowed = [a for s in batch for a in s.allowed]
+    index, valid = fork_index(allowed, device)
+    chosen = torch.tensor([a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))], device=device)
+    return ForkOutputs(policy.logits_of(h, index), valid, chosen, policy.value(h), int(mask.sum()))
+
+
+def decision_indices(batch: list[TrainingSequence]) -> torch.Tensor:
+    """Where the batch's decisions sit in the iteration's flat decision tensors, in forward order."""
+    return torch.tensor([k for s in batch for k in s.decisions], dtype=torch.long)
+
+
+def optimizer_steps(sequences: list[TrainingSequence], minibatch_size: int, grad_accum: int, epochs: int,
+                    rng: random.Random) -> list[list[list[TrainingSequence]]]:
+    """``epochs`` shuffled passes over the sequences, as optimizer steps of up to ``grad_accum``
+    minibatches of ``minibatch_size`` sequences (each pass's last step may be smaller)."""
+    steps = []
+    for _ in range(epochs):
+        order = list(range(len(sequences)))
+        rng.shuffle(order)
+        batches = [[sequences[j] for j in order[i: i + minibatch_size]] for i in range(0, len(order), minibatch_size)]
+        steps += [batches[i: i + grad_accum] for i in range(0, len(batches), grad_accum)]
+    return steps
