@@ -15,20 +15,18 @@ groups (``env.decode_groups``), to separate what the grouping saves from what th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import platform
 
 import torch
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import load_env_config, load_model_config, native_bf16
-from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec
-from textrl.games.prompt import PromptBuilder
 from textrl.games.workers import GameWorkers
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.model import build_policy
-from textrl.rollout import episode_seeds, play
+from textrl.policy.precision import autocast_context
+from textrl.rollout import Player, Sampling, episode_seeds, play_games
 
 
 def main(argv=None):
@@ -47,8 +45,6 @@ def main(argv=None):
     policy, tokenizer = build_policy(load_model_config(args.model))
     policy.eval()
     precision = "bf16-mixed" if native_bf16(False) else "32-true"
-    autocast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
-    prompts = PromptBuilder.for_env(tokenizer, env)
     workers = GameWorkers(args.workers)
     results = []
     try:
@@ -56,12 +52,10 @@ def main(argv=None):
             games = GamePool(GameSpec.from_env(env), workers=env.workers).games("train", n)
             seeds = episode_seeds(args.seed, 0, games)
             for where, groups in [*(("process", g) for g in args.groups), ("workers", 2)]:
-                decoders = [ConstrainedDecoder(policy) for _ in range(groups)]
-                envs = workers.open(games, env) if where == "workers" else [open_game(g, env) for g in games]
-                with torch.no_grad(), autocast:
-                    episodes, stats = play(envs, decoders, prompts, seeds=seeds)
-                for e in envs:
-                    e.close()
+                player = Player(policy, tokenizer, [ConstrainedDecoder(policy) for _ in range(groups)],
+                                autocast=lambda: autocast_context(precision, "cpu"),
+                                workers=workers if where == "workers" else None)
+                episodes, stats = play_games(player, games, env, Sampling(1.0, seeds))
                 row = {"envs": n, "games": where, "workers": args.workers if where == "workers" else 0,
                        "decode_groups": groups,
                        "rollout_s": round(stats.seconds, 2), "env_s": round(stats.env_s, 2),

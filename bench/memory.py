@@ -60,7 +60,7 @@ def measure(arch: str, option: str, seq_len: int, batch: int) -> dict:
 
     import torch
 
-    from textrl.config import TrainConfig, load_memory_config, load_model_config, validate
+    from textrl.config import TrainConfig, load_memory_config, load_model_config, resolve, validate
     from textrl.policy.memory import make_optimizer
     from textrl.policy.model import build_policy
 
@@ -73,7 +73,7 @@ def measure(arch: str, option: str, seq_len: int, batch: int) -> dict:
     if not cuda and cfg.memory.precision == "16-mixed" and option == "lowmem":
         cfg.memory.precision = "bf16-mixed"  # the seed's combination without fp16, as on any CPU
     try:
-        validate(cfg)
+        resolve(validate(cfg))
     except ValueError as exc:
         return {"skipped": str(exc)}
     device = torch.device("cuda" if cuda else "cpu")
@@ -105,7 +105,7 @@ def update(policy, optimizer, dtype, scaler, device, seq_len, batch):
     """One PPO update: forward of ``batch`` sequences, PPO loss at 8 decisions each, backward, clip, step."""
     import torch
 
-    from textrl.ppo.losses import ppo_loss
+    from textrl.ppo.losses import DecisionBatch, LossCoefs, ppo_loss
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 49152, (batch, seq_len), generator=g).to(device)
@@ -118,9 +118,10 @@ def update(policy, optimizer, dtype, scaler, device, seq_len, batch):
         n = len(rows)
         logits = policy.logits_of(h, torch.arange(6, device=device).expand(n, -1))  # a 6-way fork, as the update
         valid = torch.ones_like(logits, dtype=torch.bool)
-        terms = ppo_loss(logits, valid, torch.zeros(n, dtype=torch.long, device=device), torch.ones(n, device=device),
-                         torch.full((n,), -1.8, device=device), torch.randn(n, generator=g).to(device),
-                         policy.value(h), torch.zeros(n, device=device), 0.2, 0.05, 0.01, normalizer=n)
+        batch = DecisionBatch(logits, valid, torch.zeros(n, dtype=torch.long, device=device), torch.ones(n, device=device),
+                              torch.full((n,), -1.8, device=device), torch.randn(n, generator=g).to(device),
+                              policy.value(h), torch.zeros(n, device=device))
+        terms = ppo_loss(batch, LossCoefs(clip=0.2, vf_coef=0.05, ent_coef=0.01, kl_coef=0.0, explore=0.0), normalizer=n)
     loss = terms.loss
     (scaler.scale(loss) if scaler else loss).backward()
     if scaler:

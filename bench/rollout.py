@@ -4,9 +4,9 @@ The naive decoder is the seed's method: at every decision it re-pads and re-enco
 prompt plus the partial command for all environments still choosing, with no KV cache. It is made
 as fast as that method allows: it computes the logits of the last position only (the seed took the
 full-vocabulary logits of every position) and reads only the allowed children's, as the cached
-decoder does. Both decoders play the same games from the same seeds under the same autocast
-(``memory=auto``: bf16 where the CPU has it), with the frozen weights held in its dtype as in
-training (``PolicyValueModel.frozen_linears_in_autocast_dtype``); only the decoder differs. Rounds alternate the two
+decoder does. Both decoders play the same games from the same seeds through training's
+``play_games`` (the env's prompt, the run's autocast -- ``memory=auto``: bf16 where the CPU has it
+-- and the frozen weights held in its dtype); only the decoder differs. Rounds alternate the two
 decoders (cached, naive, cached, naive, ...) so that a slow stretch of the machine hits both; the
 speed-up is the ratio of the median rounds, with the range of each. Both decode the envs in the same
 groups (``--groups``, default training's on a CPU, ``env.decode_groups``), each group its own batch:
@@ -18,7 +18,6 @@ grouping cuts the naive decoder's padding (the cached decoder's packed calls com
 from __future__ import annotations
 
 import argparse
-import contextlib
 import platform
 import statistics
 
@@ -26,12 +25,11 @@ import torch
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import default_decode_groups, env_options, load_env_config, load_model_config, native_bf16
-from textrl.games.env import TextGame
 from textrl.games.pool import GamePool, GameSpec
-from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import ConstrainedDecoder, Cursor, check_temperature, choose
+from textrl.policy.decoding import ConstrainedDecoder, Cursor, choose, recorded_temperature
 from textrl.policy.model import PolicyValueModel, build_policy
-from textrl.rollout import episode_seeds, play
+from textrl.policy.precision import autocast_context
+from textrl.rollout import Player, Sampling, episode_seeds, play_games
 
 
 class NaiveDecoder:
@@ -46,7 +44,7 @@ class NaiveDecoder:
 
     @torch.no_grad()
     def act(self, slots, prompts, tries, temperature=1.0, greedy=False, rngs=None, explore=0.0):
-        temperature = check_temperature(temperature, greedy)
+        temperature = recorded_temperature(temperature, greedy)
         cursors = [Cursor(trie) for trie in tries]
         seqs = [list(p) + c.new for p, c in zip(prompts, cursors)]
         while not all(c.done for c in cursors):
@@ -86,20 +84,19 @@ def main(argv=None):
     env = load_env_config(args.env)
     policy, tokenizer = build_policy(load_model_config(args.model))
     policy.eval()
-    prompts = PromptBuilder(tokenizer, max_prompt_tokens=2048)
     games = GamePool(GameSpec.from_env(env)).games("eval", args.envs)
     groups = args.groups or default_decode_groups(args.envs, cuda=False)
-    decoders = {"cached": [ConstrainedDecoder(policy) for _ in range(groups)],
-                "naive": [NaiveDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]}
-    rounds = {name: [] for name in decoders}
+    # both play as training's rollouts do (play_games): env's prompt, the run's autocast, frozen
+    # weights cast once per rollout; only the decoders differ
+    players = {"cached": [ConstrainedDecoder(policy) for _ in range(groups)],
+               "naive": [NaiveDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]}
+    players = {name: Player(policy, tokenizer, decoders, autocast=lambda: autocast_context(precision, "cpu"))
+               for name, decoders in players.items()}
+    rounds = {name: [] for name in players}
     for k in range(args.rounds):
-        for name, decoder in decoders.items():  # same games and seeds (round k) for both decoders
-            envs = [TextGame(g, env.max_steps) for g in games]
-            autocast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
-            # both as training's rollouts run: frozen weights cast once per rollout, not per call
-            with autocast, policy.frozen_linears_in_autocast_dtype():
-                _, stats = play(envs, decoder, prompts, temperature=args.temperature,
-                                seeds=episode_seeds(args.seed, k, games))
+        for name, player in players.items():  # same games and seeds (round k) for both decoders
+            sampling = Sampling(args.temperature, episode_seeds(args.seed, k, games))
+            _, stats = play_games(player, games, env, sampling)
             row = {"seconds": round(stats.seconds, 2), "decisions": stats.decisions, "turns": stats.turns,
                    "decisions_per_s": stats.decisions_per_s, "env_s": round(stats.env_s, 2)}
             if stats.decode is not None:  # the cached decoder's profile: tokens fed, model time

@@ -2,10 +2,16 @@ import pytest
 import torch
 
 from textrl.policy.decoding import Action, Decision
-from textrl.ppo.advantages import gae, whiten
-from textrl.ppo.buffer import decision_advantages
-from textrl.ppo.losses import entropy_over_allowed, explained_variance, ppo_loss
+from textrl.policy.distribution import entropy as entropy_over_allowed
+from textrl.ppo.advantages import episode_gae, gae, whiten
+from textrl.ppo.losses import DecisionBatch, LossCoefs, explained_variance, ppo_loss
 from textrl.rollout import Episode, Step
+
+
+def decision_advantages(episode, values, gamma, lam):
+    """``episode_gae`` on plain lists: (advantages, returns) of the episode's decisions."""
+    adv, ret = episode_gae(episode, torch.tensor(values, dtype=torch.float64), gamma, lam)
+    return adv.tolist(), ret.tolist()
 
 
 def reference_gae(rewards, values, gamma, lam, last_value=0.0):
@@ -100,8 +106,9 @@ def test_ppo_loss_is_clipped_summed_and_normalised_and_entropy_covers_only_allow
     tokens = torch.tensor([0, 2])
     new = torch.log(torch.tensor([0.5, 0.25]))
     old = new - torch.tensor([0.5, 0.0])  # first ratio = e^0.5 > 1.2: clipped
-    terms = ppo_loss(logits, allowed, tokens, torch.ones(2), old, torch.tensor([1.0, 1.0]), torch.zeros(2),
-                     torch.zeros(2), clip=0.2, vf_coef=0.05, ent_coef=0.01, normalizer=5.0)
+    batch = DecisionBatch(logits, allowed, tokens, torch.ones(2), old, torch.tensor([1.0, 1.0]), torch.zeros(2),
+                          torch.zeros(2))
+    terms = ppo_loss(batch, LossCoefs(clip=0.2, vf_coef=0.05, ent_coef=0.01, kl_coef=0.0, explore=0.0), normalizer=5.0)
     assert float(terms.policy) == pytest.approx(-(1.2 + 1.0))
     assert float(terms.clipped) == 1.0
     assert float(terms.ratio) == pytest.approx(torch.exp(torch.tensor(0.5)).item() + 1)

@@ -32,7 +32,8 @@ def check_best(result, evals: list[tuple[int, float]]) -> None:
 
 
 def test_the_final_evaluation_is_judged_when_iterations_are_not_a_multiple_of_eval_every(tmp_path):
-    result = cli.train(config(tmp_path, "iterations=3", "eval.every=2"))
+    # seed 3: on the machines this was written on, the final evaluation (iteration 3) is strictly the best
+    result = cli.train(config(tmp_path, "iterations=3", "eval.every=2", "seed=3"))
     evals = evaluations(tmp_path)
     assert [it for it, _ in evals] == [0, 2, 3]  # before training, every 2nd iteration, the last: one row each
     check_best(result, [e for e in evals if e[0] > 0])  # iteration 0 is the untrained policy: never a checkpoint

@@ -8,61 +8,63 @@ import pytest
 
 import textrl.cli.train as cli
 from textrl.config import ConfigError
-from textrl.training.datamodule import RolloutDataModule
+from textrl.training.curriculum import Curriculum
 from tests.conftest import StopAfter, config, read_metrics
 
 STAGES = ["curriculum.stages=[easy,medium]", "env.goal_last=true"]
 
 
-def ready(cfg) -> RolloutDataModule:
-    data = RolloutDataModule(cfg)
-    data.prepare_data()
-    data.setup("fit")
-    return data
+def ready(cfg) -> Curriculum:
+    curriculum = Curriculum(cfg)
+    curriculum.generate()
+    return curriculum
 
 
 def test_stage_moves_on_the_rolling_win_rate_and_lost_games_are_replayed(tmp_path):
     cfg = config(tmp_path, *STAGES, "curriculum.threshold=0.5", "curriculum.window=2", "curriculum.replay=0.5")
-    data = ready(cfg)
-    easy = data.train_env
+    c = ready(cfg)
+    easy = c.env
     assert (easy.name, easy.max_steps, easy.goal_last) == ("easy", 8, True)
-    first = data.games_for_iteration(0)
-    assert len(first) == 4 and set(first) <= set(data.train_games) and data.replayed == 0
+    played = c.games(0)
+    first = played.games
+    assert len(first) == 4 and set(first) <= set(c.train_games) and played.replayed == 0 and played.env == easy
 
     lost = [str(first[0]), str(first[1])]
-    assert not data.record(0.25, lost)  # a stand-in win rate: one iteration is not a full window
-    replayed = data.games_for_iteration(1)
-    assert {str(g) for g in replayed[:2]} == set(lost) and data.replayed == 2  # half the games: lost ones
-    assert len(set(replayed)) == 4
-    assert not data.record(0.5, [])  # (0.25 + 0.5) / 2 < 0.5
-    assert data.record(1.0, [])  # (0.5 + 1.0) / 2 >= 0.5: on to medium
-    medium = data.train_env
-    assert (data.stage, medium.name, medium.max_steps, medium.goal_last) == (1, "medium", 32, True)
-    assert "textworld-r3-o4-q3" in str(data.games_for_iteration(3)[0]) and data.lost == [] and data.replayed == 0
-    assert not data.record(1.0, []) and not data.record(1.0, [])  # the last stage stays
-    assert data.stage == 1
+    assert not c.record(0.25, lost)  # a stand-in win rate: one iteration is not a full window
+    played = c.games(1)
+    assert {str(g) for g in played.games[:2]} == set(lost) and played.replayed == 2  # half the games: lost ones
+    assert len(set(played.games)) == 4
+    assert not c.record(0.5, [])  # (0.25 + 0.5) / 2 < 0.5
+    assert c.record(1.0, [])  # (0.5 + 1.0) / 2 >= 0.5: on to medium
+    medium = c.env
+    assert (c.stage, medium.name, medium.max_steps, medium.goal_last) == (1, "medium", 32, True)
+    played = c.games(3)
+    assert "textworld-r3-o4-q3" in str(played.games[0]) and c.lost == [] and played.replayed == 0
+    assert played.stage == 1 and played.env.name == "medium"
+    assert not c.record(1.0, []) and not c.record(1.0, [])  # the last stage stays
+    assert c.stage == 1
 
-    # a checkpoint's state: a fresh datamodule continues with the same stage and the same games
-    data.record(0.0, [str(g) for g in data.games_for_iteration(4)[:3]])
+    # a checkpoint's state: a fresh curriculum continues with the same stage and the same games
+    c.record(0.0, [str(g) for g in c.games(4).games[:3]])
     again = ready(cfg)
-    again.load_state_dict(data.state_dict())
-    assert again.train_env.name == "medium"
-    assert again.games_for_iteration(5) == data.games_for_iteration(5)
-    assert again.replayed == data.replayed == 2
+    again.load_state_dict(c.state_dict())
+    assert again.env.name == "medium"
+    assert again.games(5) == c.games(5) and c.games(5).replayed == 2
 
 
 def test_lost_games_are_replayed_without_stages_by_default_and_not_when_switched_off(tmp_path):
-    data = ready(config(tmp_path))  # the default: curriculum.replay=0.25, no stages
-    first = data.games_for_iteration(0)
-    assert not data.record(0.0, [str(first[2])] * 2)  # no stage to move to; a game lost twice is one game
-    assert data.lost == [str(first[2])]
-    again = data.games_for_iteration(1)
-    assert again[0] == first[2] and data.replayed == 1 and len(set(again)) == 4  # a quarter of 4 games
-    assert data.stage == 0 and data.stage_win_rates == []
+    c = ready(config(tmp_path))  # the default: curriculum.replay=0.25, no stages
+    first = c.games(0).games
+    assert not c.record(0.0, [str(first[2])] * 2)  # no stage to move to; a game lost twice is one game
+    assert c.lost == [str(first[2])]
+    again = c.games(1)
+    assert again.games[0] == first[2] and again.replayed == 1 and len(set(again.games)) == 4  # a quarter of 4 games
+    assert c.stage == 0 and c.stage_win_rates == []
 
     off = ready(config(tmp_path, "curriculum.replay=0"))
-    off.record(0.0, [str(g) for g in off.games_for_iteration(0)])
-    assert off.replayed == 0 and off.games_for_iteration(1) == ready(config(tmp_path, "curriculum.replay=0")).games_for_iteration(1)
+    off.record(0.0, [str(g) for g in off.games(0).games])
+    assert off.games(1).replayed == 0
+    assert off.games(1) == ready(config(tmp_path, "curriculum.replay=0")).games(1)
 
 
 def test_bad_curriculum_is_refused_at_start(tmp_path):

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from textrl.games.env import TextGame
-from textrl.policy.decoding import ConstrainedDecoder, PromptCache, masked_logprobs, score_commands
+from textrl.policy.decoding import ConstrainedDecoder, PromptCache, score_commands
+from textrl.policy.distribution import fork_logprobs
 from textrl.policy.trie import CommandTrie
-from textrl.rollout import play
+from textrl.rollout import Sampling, decode_episodes
 
 
 def trie_for(obs, prompts):
@@ -50,7 +51,7 @@ def test_mixed_batch_gives_the_same_logprobs_as_each_environment_alone(tiny, pro
 
     def greedy(paths):
         decoder = ConstrainedDecoder(policy)
-        episodes, _ = play([TextGame(p, 8) for p in paths], decoder, prompts, greedy=True)
+        episodes, _ = decode_episodes([TextGame(p, 8) for p in paths], [decoder], prompts)
         return episodes
 
     together = greedy(games)
@@ -76,8 +77,8 @@ def test_sampled_commands_depend_only_on_the_episode_seed_not_on_the_batch(tiny,
 
     def sample(indices, seed_of=lambda i: seeds[i]):
         decoder = ConstrainedDecoder(policy)
-        episodes, _ = play([TextGame(games[i], 8) for i in indices], decoder, prompts, temperature=1.5,
-                           seeds=[seed_of(i) for i in indices])
+        episodes, _ = decode_episodes([TextGame(games[i], 8) for i in indices], [decoder], prompts,
+                                      Sampling(1.5, [seed_of(i) for i in indices]))
         return {i: [s.action.command for s in e.steps] for i, e in zip(indices, episodes)}
 
     together = sample(range(6))
@@ -97,7 +98,7 @@ def fresh_forward(policy, step, decision, temperature):
         logits, value = policy.logits(hidden[0, -1]), float(policy.value(hidden[0, -1]))
     allowed = torch.zeros_like(logits, dtype=torch.bool)
     allowed[decision.allowed] = True
-    return masked_logprobs(logits, allowed, temperature), value
+    return fork_logprobs(logits, allowed, temperature), value
 
 
 def assert_matches_fresh_forward(policy, episodes, temperature):
@@ -117,8 +118,8 @@ def assert_matches_fresh_forward(policy, episodes, temperature):
 def test_recorded_logprobs_match_a_fresh_full_forward(tiny, prompts, easy_games):
     policy, tokenizer = tiny
     decoder = ConstrainedDecoder(policy)
-    episodes, stats = play([TextGame(p, 8) for p in easy_games[:6]], decoder, prompts, temperature=0.7,
-                           seeds=list(range(6)))
+    episodes, stats = decode_episodes([TextGame(p, 8) for p in easy_games[:6]], [decoder], prompts,
+                                      Sampling(0.7, list(range(6))))
     assert assert_matches_fresh_forward(policy, episodes, 0.7) == stats.decisions > 10
 
 
@@ -128,7 +129,7 @@ def test_truncated_history_drops_the_cached_row_and_stays_exact(tiny, easy_games
     policy, tokenizer = tiny
     short = PromptBuilder(tokenizer, max_prompt_tokens=400)
     decoder = ConstrainedDecoder(policy)
-    episodes, stats = play([TextGame(p, 8) for p in easy_games[4:7]], decoder, short, greedy=True)
+    episodes, stats = decode_episodes([TextGame(p, 8) for p in easy_games[4:7]], [decoder], short)
     restarts = sum(step.prompt_ids[: len(prev.prompt_ids)] != prev.prompt_ids
                    for e in episodes for prev, step in zip(e.steps, e.steps[1:]))
     assert restarts > 0  # the prompt really stopped extending the cached sequence
@@ -216,8 +217,8 @@ def test_gpt2_and_qwen_architectures_decode_exactly(name, layers, easy_games):
     assert policy.lm.config.model_type == {"gpt2": "gpt2", "qwen": "qwen2"}[name]
     prompts = PromptBuilder(tokenizer)
     decoder = ConstrainedDecoder(policy)
-    episodes, stats = play([TextGame(p, 3) for p in easy_games[:3]], decoder, prompts, temperature=1.0,
-                           seeds=[0, 1, 2])
+    episodes, stats = decode_episodes([TextGame(p, 3) for p in easy_games[:3]], [decoder], prompts,
+                                      Sampling(1.0, [0, 1, 2]))
     assert all(s.action.command in s.observation.admissible_commands for e in episodes for s in e.steps)
     assert assert_matches_fresh_forward(policy, episodes, 1.0) == stats.decisions > 0
 
@@ -242,6 +243,6 @@ def test_the_decode_profile_counts_every_real_token_fed_and_the_games_time(tiny,
     assert 1 <= p.calls <= forks
     assert p.prefill_s > 0 and (p.fork_s > 0) == (p.calls > 1) and p.choose_s > 0
 
-    episodes, stats = play([TextGame(g, 3) for g in easy_games[:4]], decoder, prompts, seeds=[1, 2, 3, 4])
+    episodes, stats = decode_episodes([TextGame(g, 3) for g in easy_games[:4]], [decoder], prompts, Sampling(1.0, [1, 2, 3, 4]))
     assert stats.decode == decoder.profile and stats.decode.tokens > 0
     assert 0 < stats.env_s and stats.env_s + stats.decode.model_s < stats.seconds

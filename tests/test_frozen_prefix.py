@@ -10,8 +10,8 @@ from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import build_policy, transformer_blocks
-from textrl.ppo.buffer import decision_forward, episode_sequences
-from textrl.rollout import play
+from textrl.ppo.sequences import PrefixOutputs, decision_forward, training_sequences
+from textrl.rollout import Sampling, decode_episodes
 
 ARCHITECTURES = {  # two blocks each, the lower one frozen: every family's own code path
     "llama": ("tiny", {}),
@@ -21,17 +21,17 @@ ARCHITECTURES = {  # two blocks each, the lower one frozen: every family's own c
 
 
 def sequences_of(policy, tokenizer, games, max_steps=3):
-    decoder = ConstrainedDecoder(policy)
-    episodes, _ = play([TextGame(p, max_steps) for p in games], decoder, PromptBuilder(tokenizer), temperature=1.0,
-                       seeds=list(range(len(games))), bootstrap=True)
-    return [s for e in episodes for s in episode_sequences(e)]
+    envs = [TextGame(p, max_steps) for p in games]
+    episodes, _ = decode_episodes(envs, [ConstrainedDecoder(policy)], PromptBuilder(tokenizer),
+                                  Sampling(1.0, list(range(len(games)))), bootstrap=True)
+    return training_sequences(episodes).sequences
 
 
-def outputs_and_grads(policy, batch, pad_id, frozen=None):
+def outputs_and_grads(policy, batch, pad_id, prefix=None):
     params = [p for p in policy.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
-    d = decision_forward(policy, batch, pad_id, frozen)
+    d = decision_forward(policy, batch, pad_id, prefix)
     (d.logits.masked_fill(~d.valid, 0).sum() + d.values.sum()).backward()
     return d.logits.detach(), d.values.detach(), [p.grad.clone() for p in params if p.grad is not None]
 
@@ -57,12 +57,14 @@ def test_replaying_the_frozen_blocks_computes_the_full_forward(arch, easy_games)
     leaf = next(m for m in lower.modules() if m is not lower and not list(m.children()))
     leaf.register_forward_pre_hook(lambda *_: runs.append(1))
 
+    prefix = PrefixOutputs(frozen, [None] * len(sequences))  # nothing recorded by the rollout
     one = sequences[:1]
     full = outputs_and_grads(policy, one, pad)
-    recorded = outputs_and_grads(policy, one, pad, frozen)  # first forward: runs in full, records
-    assert one[0].frozen_output is not None and one[0].frozen_output.shape[0] == len(one[0].input_ids)
+    recorded = outputs_and_grads(policy, one, pad, prefix)  # first forward: runs in full, records
+    kept = prefix.outputs[one[0].index]
+    assert kept is not None and kept.shape[0] == len(one[0].input_ids)
     runs.clear()
-    replayed = outputs_and_grads(policy, one, pad, frozen)  # later forward: frozen block skipped
+    replayed = outputs_and_grads(policy, one, pad, prefix)  # later forward: frozen block skipped
     assert runs == []
     for a, b, c in zip(full[:2], recorded[:2], replayed[:2]):  # same shapes: bitwise
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -72,9 +74,9 @@ def test_replaying_the_frozen_blocks_computes_the_full_forward(arch, easy_games)
     pair = sequences[:2]
     full = outputs_and_grads(policy, pair, pad)
     for s in pair:
-        outputs_and_grads(policy, [s], pad, frozen)
+        outputs_and_grads(policy, [s], pad, prefix)
     runs.clear()
-    replayed = outputs_and_grads(policy, pair, pad, frozen)
+    replayed = outputs_and_grads(policy, pair, pad, prefix)
     assert runs == []
     assert torch.allclose(full[0], replayed[0], atol=1e-5) and torch.allclose(full[1], replayed[1], atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(full[2], replayed[2]))
@@ -119,7 +121,7 @@ def test_a_training_iteration_with_frozen_blocks_keeps_the_first_ratio_at_one(tm
                      "ppo.recompute_old=true", "ppo.kl_coef=0.1", f"ppo.cache_frozen={cache}")
         counter = CountFrozenRuns()
         result = cli.train(cfg, callbacks=[counter])
-        assert (result["module"].frozen is not None) == cache
+        assert (result["module"].update.frozen is not None) == cache
         rows[cache], runs[cache] = next(r for r in read_metrics(run) if r.get("loss/policy")), counter.runs
     assert runs[True] == 0 and runs[False] > 0
     assert float(rows[True]["policy/first_logratio_max"]) == 0.0
@@ -138,27 +140,25 @@ def test_the_rollout_records_the_frozen_output_the_update_replays(budget, easy_g
     decoder = ConstrainedDecoder(policy)
     decoder.capture = frozen
     prompts = PromptBuilder(tokenizer, max_prompt_tokens=budget)
-    episodes, _ = play([TextGame(p, 6) for p in easy_games[:4]], decoder, prompts, temperature=1.0,
-                       seeds=list(range(4)), bootstrap=True)
-    sequences = [s for e in episodes for s in episode_sequences(e)]
-    assert all(step.action.frozen is None for e in episodes for step in e.steps)  # taken over
-    assert len(sequences) >= 4 and all(s.frozen_output is not None for s in sequences)
+    episodes, _ = decode_episodes([TextGame(p, 6) for p in easy_games[:4]], [decoder], prompts,
+                                  Sampling(1.0, list(range(4))), bootstrap=True)
+    rollout = training_sequences(episodes)
+    sequences, captured = rollout.sequences, rollout.prefix_outputs
+    assert all(step.action.prefix_output is None for e in episodes for step in e.steps)  # taken over
+    assert len(sequences) >= 4 and all(c is not None for c in captured)
     if budget == 400:  # a sequence per restart, each with its own recording
         assert len(sequences) > len(episodes)
-    for s in sequences:  # it ends at its last decision's position and covers exactly its tokens
-        assert len(s.input_ids) == max(s.positions) + 1 == s.frozen_output.shape[0]
+    for s, c in zip(sequences, captured):  # it ends at its last decision's position and covers exactly its tokens
+        assert len(s.input_ids) == max(s.positions) + 1 == c.shape[0]
     pad = tokenizer.pad_token_id
-    captured = [s.frozen_output for s in sequences]
+    fresh = PrefixOutputs(frozen, [None] * len(sequences))
     for s in sequences:
-        s.frozen_output = None
-        decision_forward(policy, [s], pad, frozen)  # records it from a full forward
-    for mine, full in zip(captured, (s.frozen_output for s in sequences)):
+        decision_forward(policy, [s], pad, fresh)  # records it from a full forward
+    for mine, full in zip(captured, fresh.outputs):
         assert torch.allclose(mine, full, atol=1e-5)
     runs = []  # forwards that executed the frozen block's own layers
     lower = transformer_blocks(policy.lm)[0]
     leaf = next(m for m in lower.modules() if m is not lower and not list(m.children()))
     leaf.register_forward_pre_hook(lambda *_: runs.append(1))
-    for s, mine in zip(sequences, captured):
-        s.frozen_output = mine
-    decision_forward(policy, sequences[:2], pad, frozen)
+    decision_forward(policy, sequences[:2], pad, PrefixOutputs(frozen, captured))
     assert runs == []

@@ -17,7 +17,7 @@ from textrl.games.express import JAVA_MISSING, java_available
 from textrl.games.pool import GamePool, GameSpec
 from textrl.policy.checkpoint import checkpoint_config
 from textrl.policy.decoding import ConstrainedDecoder
-from textrl.rollout import play
+from textrl.rollout import Sampling, decode_episodes
 
 FAMILIES = ["tw_simple", "tw_coin", "tw_treasure", "tw_cooking"]
 # TextWorldExpress runs in Java: on a machine without it these tests say how to install it
@@ -80,8 +80,8 @@ def test_only_admissible_commands_and_disjoint_splits(option, tiny):
     from textrl.games.prompt import PromptBuilder
 
     prompts = PromptBuilder.for_env(tokenizer, env, max_prompt_tokens=4096)
-    episodes, _ = play([open_game(p, env) for p in evals], ConstrainedDecoder(policy),
-                       prompts, temperature=1.0, seeds=[1, 2])
+    episodes, _ = decode_episodes([open_game(p, env) for p in evals], [ConstrainedDecoder(policy)],
+                                  prompts, Sampling(1.0, [1, 2]))
     assert all(e.steps for e in episodes)
     assert all(s.action.command in s.observation.admissible_commands for e in episodes for s in e.steps)
 

@@ -1,13 +1,15 @@
 """Group rollouts with GRPO / RLOO baselines, and the exact KL anchor, on real games and the tiny model."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from textrl.ppo.advantages import grpo, rloo
-from textrl.ppo.buffer import add_advantages, episode_sequences, optimizer_steps
-from textrl.ppo.losses import kl_over_allowed
-from textrl.rollout import episode_seeds
-from textrl.training.datamodule import RolloutDataModule, iteration_rng
+from textrl.policy.distribution import kl_to_reference as kl_over_allowed
+from textrl.policy.model import build_policy
+from textrl.ppo.advantages import grpo, rloo, rollout_advantages
+from textrl.rollout import Sampling, episode_seeds, play_games
+from textrl.training.curriculum import Curriculum
 from textrl.training.module import PPOModule
 from tests.conftest import config
 
@@ -63,60 +65,54 @@ def test_kl_over_allowed_tokens_equals_a_direct_computation():
 
 def test_group_rollouts_play_each_game_group_size_times_with_different_samples(tmp_path, easy_pool):
     cfg = config(tmp_path, "env.num_envs=8", "env.group_size=4", "ppo.advantage=rloo")
-    dm = RolloutDataModule(cfg)
-    dm.setup("fit")
-    games = dm.games_for_iteration(0)
+    curriculum = Curriculum(cfg)
+    curriculum.load()
+    games = curriculum.games(0).games
     assert len(games) == 8 and len(set(games)) == 2
     assert games[:4] == [games[0]] * 4 and games[4:] == [games[4]] * 4
-    assert not set(games) & set(dm.eval_games)
-
-    from textrl.policy.model import build_policy
+    assert not set(games) & set(curriculum.eval_games)
 
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
     module = PPOModule(cfg, policy, tokenizer)
-    episodes, _ = module.play(games, temperature=3.0, seeds=episode_seeds(cfg.seed, 0, games))
+    episodes, _ = play_games(module.player, games, cfg.env, Sampling(3.0, episode_seeds(cfg.seed, 0, games)))
     assert [e.game for e in episodes] == [str(g) for g in games]
     plays = [tuple(s.action.command for s in e.steps) for e in episodes]
     assert len(set(plays[:4])) > 1 or len(set(plays[4:])) > 1  # the same game, sampled differently
 
-    per_episode = [episode_sequences(e) for e in episodes]
-    add_advantages(episodes, per_episode, 0.99, 0.95, normalize=False, estimator="rloo")
+    counts = [sum(len(s.action.decisions) for s in e.steps) for e in episodes]
+    advantages, _ = rollout_advantages(episodes, torch.zeros(sum(counts)), 0.99, 0.95, "rloo", normalize=False)
     returns = [e.total_return for e in episodes]
-    for i, seqs in enumerate(per_episode):
+    for i, adv in enumerate(advantages.split(counts)):  # each episode's decisions, in rollout order
         group = [returns[j] for j in range(len(episodes)) if episodes[j].game == episodes[i].game and j != i]
         expected = returns[i] - sum(group) / len(group)
-        assert all(a == pytest.approx(expected) for s in seqs for a in s.advantages)
+        assert all(a == pytest.approx(expected) for a in adv.tolist())
 
 
 @pytest.mark.parametrize("memory", ["none", "lora"])
 def test_kl_to_the_reference_is_zero_at_the_first_update_and_grows_after_a_step(tmp_path, easy_pool, memory):
     cfg = config(tmp_path, f"memory={memory}", "ppo.kl_coef=0.5")
-    from textrl.policy.model import build_policy
-
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, memory=cfg.memory)
     module = PPOModule(cfg, policy, tokenizer)
+    update = module.update
     games = easy_pool.games("train", 4)
-    episodes, _ = module.play(games, temperature=1.0, seeds=episode_seeds(0, 0, games))
-    per_episode = [episode_sequences(e) for e in episodes]
-    sequences = [s for seqs in per_episode for s in seqs]
-    steps = optimizer_steps(sequences, 2, 2, 1, iteration_rng(0, 0))
-    module._reference_logprobs(steps)
-    add_advantages(episodes, per_episode, 0.99, 0.95)
-    n = float(sum(len(s.tokens) for s in sequences))
-    first = steps[0][0]
-    terms, _ = module._loss(first, n)
+    episodes, _ = play_games(module.player, games, cfg.env, Sampling(1.0, episode_seeds(0, 0, games)))
+    data = update.prepare(episodes, 0)  # the reference's log-probs, fixed for the iteration
+    n = float(data.rollout.count)
+    first = data.steps[0][0]
+    terms, _ = update.loss(first, data, n)
     assert abs(float(terms.kl_ref)) < 1e-6  # the policy is still the reference
 
     optimizer = torch.optim.SGD([q for q in module.policy.parameters() if q.requires_grad], lr=1.0)
     terms.loss.backward()
     optimizer.step()
     with torch.no_grad():
-        after, _ = module._loss(first, n)
+        after, _ = update.loss(first, data, n)
     assert float(after.kl_ref) > 1e-6
-    # the reference itself did not move: swapped in, it gives back the stored log-probs
-    module._reference_logprobs([[first]])
+    # the reference itself did not move: swapped in again, it gives back the stored log-probs
+    again_ref = update.reference_logprobs([[first]], data.rollout, data.prefix)
+    again_data = replace(data, targets=replace(data.targets, ref_logprobs=again_ref))
     with torch.no_grad():
-        again, _ = module._loss(first, n)
+        again, _ = update.loss(first, again_data, n)
     assert float(again.kl_ref) == pytest.approx(float(after.kl_ref), rel=1e-5)
 
 

@@ -14,8 +14,9 @@ import torch
 import textrl.cli.train as cli
 from tests.conftest import SMALL, Snapshot, StopAfter, config, read_metrics, table
 from textrl.config import CONF_DIR
-from textrl.ppo.buffer import add_advantages, episode_sequences
-from textrl.rollout import episode_seeds
+from textrl.policy.model import build_policy
+from textrl.ppo.sequences import decision_forward, decision_indices
+from textrl.rollout import Sampling, episode_seeds, play_games
 from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.module import PPOModule
 
@@ -54,40 +55,39 @@ def test_two_iterations_end_to_end(tmp_path):
 
 
 def rollout(cfg, games, iteration=0):
-    from textrl.policy.model import build_policy
-
+    """The module's update object and one iteration's prepared data from a real sampled rollout."""
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
     module = PPOModule(cfg, policy, tokenizer)
-    episodes, _ = module.play(games, temperature=1.0, seeds=episode_seeds(cfg.seed, iteration, games))
-    per_episode = [episode_sequences(e) for e in episodes]
-    add_advantages(episodes, per_episode, cfg.ppo.gamma, cfg.ppo.lam)
-    return module, [s for seqs in per_episode for s in seqs]
+    sampling = Sampling(1.0, episode_seeds(cfg.seed, iteration, games))
+    episodes, _ = play_games(module.player, games, cfg.env, sampling)
+    return module.update, module.update.prepare(episodes, iteration)
 
 
 def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool):
-    module, sequences = rollout(config(tmp_path), easy_pool.games("train", 4))
-    first = sequences[:2]
+    update, data = rollout(config(tmp_path), easy_pool.games("train", 4))
+    first = data.sequences[:2]
     with torch.no_grad():
-        terms, _ = module._loss(first, 1.0)
-        values = module._forward(first).values
+        terms, _ = update.loss(first, data, 1.0)
+        values = decision_forward(update.policy, first, update.pad_id).values
     assert terms.log_ratio.numel() >= 2
     assert float(terms.log_ratio.abs().max()) < 1e-4
-    assert torch.allclose(values, torch.tensor([x for s in first for x in s.old_values]), atol=1e-4)
+    assert torch.allclose(values, data.targets.old_values[decision_indices(first)], atol=1e-4)
 
 
 def test_an_optimizer_steps_gradient_does_not_depend_on_how_it_is_split(tmp_path, easy_pool):
     """The gradient of one optimizer step is the mean over its decisions: one minibatch of all its
     sequences, or several accumulated minibatches of different sizes, give the same gradient."""
-    module, sequences = rollout(config(tmp_path, "env.max_steps=3"), easy_pool.games("train", 6))
+    update, data = rollout(config(tmp_path, "env.max_steps=3"), easy_pool.games("train", 6))
+    sequences = data.sequences
     assert len(sequences) >= 5 and len({len(s.tokens) for s in sequences}) > 1  # unequal sequences
     n = float(sum(len(s.tokens) for s in sequences))
-    params = [q for q in module.policy.parameters() if q.requires_grad]
+    params = [q for q in update.policy.parameters() if q.requires_grad]
 
     def gradient(split):
         for q in params:
             q.grad = None
         for minibatch in split:
-            terms, _ = module._loss(minibatch, n)
+            terms, _ = update.loss(minibatch, data, n)
             terms.loss.backward()
         return [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
 

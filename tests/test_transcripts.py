@@ -14,7 +14,7 @@ from textrl import cli
 from textrl.games.env import TextGame
 from textrl.policy.decoding import ConstrainedDecoder, score_commands
 from textrl.policy.trie import CommandTrie
-from textrl.rollout import play
+from textrl.rollout import decode_episodes
 from textrl.transcripts import COLUMNS, transcript_rows
 
 
@@ -22,7 +22,7 @@ def test_rows_hold_each_step_with_the_policys_alternatives(tiny, prompts, easy_g
     policy, tokenizer = tiny
     envs = [TextGame(g, 3) for g in easy_games[:2]]
     with torch.no_grad():
-        episodes, _ = play(envs, ConstrainedDecoder(policy), prompts, greedy=True)
+        episodes, _ = decode_episodes(envs, [ConstrainedDecoder(policy)], prompts)
     rows = transcript_rows(episodes, policy, prompts, top=2)
     steps = [s for e in episodes for s in e.steps]
     assert len(rows) == len(steps) > 2

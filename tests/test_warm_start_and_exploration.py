@@ -11,9 +11,10 @@ import textrl.cli.train as cli
 import textrl.training.warm_start as ws
 from textrl.games.pool import EVAL_SEED_BASE, GamePool
 from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import masked_logprobs, mix_uniform
+from textrl.policy.distribution import fork_logprobs, mix_uniform
 from textrl.policy.model import build_policy
 from textrl.policy.trie import CommandTrie
+from textrl.rollout import Sampling, play_games
 from tests.conftest import Snapshot, config, read_metrics
 
 
@@ -24,7 +25,7 @@ def test_exploration_mixture_keeps_every_child_above_its_floor_and_is_a_distribu
     for i, children in enumerate([[1, 4], [0, 2, 7, 9, 11], [5]]):
         allowed[i, children] = True
     eps = 0.2
-    plain, mixed = masked_logprobs(logits, allowed, 1.0), masked_logprobs(logits, allowed, 1.0, eps)
+    plain, mixed = fork_logprobs(logits, allowed), fork_logprobs(logits, allowed, 1.0, eps)
     n = allowed.sum(-1, keepdim=True)
     expected = ((1 - eps) * plain.exp() + eps / n).masked_fill(~allowed, 0.0)
     assert torch.allclose(mixed.exp(), expected, atol=1e-6)
@@ -38,11 +39,11 @@ def test_with_exploration_the_first_update_still_sees_ratio_one_and_rollouts_are
     row = [r for r in read_metrics(tmp_path) if r.get("policy/first_logratio_max")][0]
     assert float(row["policy/first_logratio_max"]) < 1e-4  # the update recomputes the same mixture
     module = result["module"]
-    games, seeds = [result["trainer"].datamodule.train_games[0]] * 16, list(range(16))
+    games, seeds = [result["trainer"].datamodule.curriculum.train_games[0]] * 16, list(range(16))
 
     def first_commands(explore):  # T = 0.01: the model alone is (nearly) greedy
-        module.cfg.ppo.explore = explore
-        return {e.steps[0].action.command for e in module.play(games, temperature=0.01, seeds=seeds)[0]}
+        episodes, _ = play_games(module.player, games, module.cfg.env, Sampling(0.01, seeds, explore))
+        return {e.steps[0].action.command for e in episodes}
 
     assert len(first_commands(0.9)) > len(first_commands(0.0))
 
@@ -119,21 +120,21 @@ def test_warm_start_iterations_zero_needs_steps(tmp_path):
 def test_no_evaluation_game_is_played_in_warm_start_or_training(tmp_path, monkeypatch):
     """Spies (the real games are played): every game the warm start opens and every game a training
     rollout plays is a training game; the evaluation games are only played greedily."""
-    from textrl.training.module import PPOModule
+    import textrl.training.module as module
 
     opened, sampled, greedy = [], [], []
-    real_open, real_play = ws.open_game, PPOModule.play
+    real_open, real_play = ws.open_game, module.play_games
 
     def open_game(game, env):  # the warm start's games
         opened.append(str(game))
         return real_open(game, env)
 
-    def play(self, games, temperature=1.0, seeds=None, env=None):
-        (greedy if seeds is None else sampled).extend(str(g) for g in games)
-        return real_play(self, games, temperature, seeds, env)
+    def play_games(player, games, env, sampling=None):
+        (greedy if sampling is None else sampled).extend(str(g) for g in games)
+        return real_play(player, games, env, sampling)
 
     monkeypatch.setattr(ws, "open_game", open_game)
-    monkeypatch.setattr(PPOModule, "play", play)
+    monkeypatch.setattr(module, "play_games", play_games)
     result = cli.train(config(tmp_path, "iterations=2", "eval.every=1", "warm_start.steps=2", "warm_start.games=4"))
     eval_games = {str(g) for g in result["trainer"].datamodule.eval_games}
     assert opened and sampled and eval_games <= set(greedy)

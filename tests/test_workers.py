@@ -12,7 +12,7 @@ from textrl.config import load_env_config
 from textrl.games.env import InvalidCommandError, open_game
 from textrl.games.workers import GameWorkers, step_games
 from textrl.policy.decoding import ConstrainedDecoder
-from textrl.rollout import episode_seeds, play
+from textrl.rollout import Sampling, decode_episodes, episode_seeds
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_a_rollout_on_workers_or_in_groups_is_the_rollout_in_one_batch(tiny, pro
         # on workers: two groups, each with its decoder, one group stepping while the other decodes
         decoders = [ConstrainedDecoder(policy) for _ in range(groups)]
         with torch.no_grad():
-            episodes, stats = play(envs, decoders, prompts, seeds=seeds, bootstrap=True)
+            episodes, stats = decode_episodes(envs, decoders, prompts, Sampling(1.0, seeds), bootstrap=True)
         runs.append(steps_of(episodes))
         assert [e.game for e in episodes] == [str(g) for g in games]
         for g in envs:
@@ -74,7 +74,7 @@ def test_workers_hold_their_share_of_the_games_and_refuse_bad_commands(easy_game
 
 class SeeWorkers(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module):
-        self.processes = [m._process for m in pl_module.game_workers.managers]
+        self.processes = [m._process for m in pl_module.player.workers.managers]
         self.alive = [p.is_alive() for p in self.processes]
 
 
@@ -84,7 +84,7 @@ def test_decode_groups_gives_the_module_a_decoder_per_group(tmp_path):
 
     cfg = config(tmp_path, "env.decode_groups=3")
     module = PPOModule(cfg, *build_policy(cfg.model))
-    assert len(module.decoders) == 3 and len({id(d) for d in module.decoders}) == 3
+    assert len(module.player.decoders) == 3 and len({id(d) for d in module.player.decoders}) == 3
     # unset: four groups on a CPU (never more than the envs), one on a GPU (not testable here)
     assert config(tmp_path, "env.num_envs=16", "env.pool_size=16", "env.decode_groups=null").env.decode_groups == 4
     assert config(tmp_path, "env.num_envs=2", "env.decode_groups=null").env.decode_groups == 2
@@ -96,7 +96,7 @@ def test_training_with_step_workers_runs_and_ends_its_workers(tmp_path):
     result = train(config(tmp_path, "iterations=1", "env.step_workers=2"), callbacks=[seen])
     assert seen.alive == [True, True]  # the rollout ran on the two workers
     assert not any(p.is_alive() for p in seen.processes)
-    assert result["module"].game_workers is None
+    assert result["module"].player.workers is None
     assert set(mp.active_children()) <= before  # the run's worker processes have ended
     rows = read_metrics(tmp_path)
     assert any(r.get("perf/rollout_env_s") for r in rows) and any(r.get("eval/win_rate") for r in rows)

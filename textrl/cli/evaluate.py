@@ -17,7 +17,6 @@ Writes ``<out>/results.json`` (win rate, steps, return: mean and 95% interval, p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -31,11 +30,11 @@ import torch
 from textrl.config import load_env_config, load_model_config, native_bf16
 from textrl.games.env import check_game_file, open_game
 from textrl.games.pool import GamePool, GameSpec, game_name
-from textrl.games.prompt import PromptBuilder
 from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.model import ModelNotFoundError, build_policy
-from textrl.rollout import Episode, play, play_uniform
+from textrl.policy.precision import autocast_context
+from textrl.rollout import Episode, Player, play_games, play_uniform
 from textrl.transcripts import write_transcripts
 
 log = logging.getLogger(__name__)
@@ -105,16 +104,16 @@ def load_policy(policy_source: str, cache_dir: str | None = None):
     raise ValueError(f"policy must be 'random', 'model:<name>' or 'checkpoint:<path>', got {policy_source!r}")
 
 
-def evaluate(policy_source: str, env_name: str | None = None, games: int = 64, batch: int = 32, seed: int = 0,
+def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64, batch: int = 32, seed: int = 0,
              cache_dir: str | None = None, device: str | None = None, files: list[Path] | None = None,
              max_steps: int | None = None, loaded=None) -> tuple[dict, list[Episode]]:
     """Play ``games`` held-out games of the env option ``env_name`` (default: the checkpoint's own
     setting, else easy), or the game ``files``. ``policy_source``: ``random``, ``model:<name>``
     (untrained) or ``checkpoint:<path>``; ``loaded``: its ``load_policy`` result, to play several
-    settings with one load. Returns the summary and the episodes."""
+    settings with one load. Games are generated or found under ``cache_dir`` (the user's, never a
+    checkpoint's). Returns the summary and the episodes."""
     policy, tokenizer, cfg, precision = loaded or load_policy(policy_source, cache_dir)
     if cfg is not None:
-        cache_dir = cache_dir or cfg.cache_dir
         # another setting's games, shown with the prompt the policy was trained with
         env = load_env_config(env_name).with_prompt_of(cfg.env) if env_name else cfg.env
     else:
@@ -125,29 +124,26 @@ def evaluate(policy_source: str, env_name: str | None = None, games: int = 64, b
         paths, setting = files, "files"
     else:
         paths, setting = GamePool(GameSpec.from_env(env), cache_dir=cache_dir, workers=env.workers).games("eval", games), env.name
-    autocast = contextlib.nullcontext()
+    player = None
     if policy is not None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if precision == "auto":
             precision = "bf16-mixed" if native_bf16(device == "cuda") else "32-true"
-        dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-        if dtype is not None:
-            autocast = torch.autocast(device, dtype=dtype)
-        policy.to(device).eval()
-        prompts = PromptBuilder.for_env(tokenizer, env)
-        decoder = ConstrainedDecoder(policy)
+        policy.to(device)
+        player = Player(policy, tokenizer, [ConstrainedDecoder(policy)],
+                        autocast=lambda: autocast_context(precision, device))
     episodes: list[Episode] = []
     for start in range(0, len(paths), batch):
-        envs = [open_game(p, env) for p in paths[start:start + batch]]
-        try:
-            if policy is None:
+        chunk = paths[start:start + batch]
+        if player is not None:
+            episodes += play_games(player, chunk, env)[0]
+        else:
+            envs = [open_game(p, env) for p in chunk]
+            try:
                 episodes += play_uniform(envs, seed)[0]
-            else:
-                with torch.no_grad(), autocast, policy.frozen_linears_in_autocast_dtype():
-                    episodes += play(envs, decoder, prompts, greedy=True)[0]
-        finally:
-            for e in envs:
-                e.close()
+            finally:
+                for e in envs:
+                    e.close()
         # An untrained model on medium/hard plays every game to the step limit: minutes per batch.
         log.info("played %d/%d %s games, %d won", len(episodes), len(paths), setting, sum(e.won for e in episodes))
     summary = {"policy": policy_source, "env": setting, "trained_on": cfg.env.name if cfg is not None else None,
@@ -231,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         for source, name in zip(sources, names):
             loaded = load_policy(source)
             for setting in settings:
-                summary, episodes = evaluate(source, setting, int(count or 0), args.batch, args.seed, files=files,
+                summary, episodes = evaluate(source, setting, games=int(count or 0), batch=args.batch, seed=args.seed, files=files,
                                              max_steps=args.max_steps, loaded=loaded)
                 # written as soon as played (and the table so far): a long evaluation keeps what it did
                 out = Path(args.out or f"eval/{name}-{summary['env']}") if single else root / f"{name}-{summary['env']}"

@@ -21,13 +21,13 @@ import torch
 
 from textrl.config import PPOConfig
 from textrl.policy.distribution import fork_logprobs
+from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.advantages import rollout_advantages
 from textrl.ppo.losses import DecisionBatch, LossCoefs, PPOTerms, correlation, explained_variance, ppo_loss
-from textrl.ppo.sequences import (PrefixOutputs, RolloutDecisions, TrainingSequence, decision_forward,
+from textrl.ppo.sequences import (ForkOutputs, PrefixOutputs, RolloutDecisions, TrainingSequence, decision_forward,
                                   decision_indices, optimizer_steps, training_sequences)
-from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.rollout import Episode
 
 Minibatch = list[TrainingSequence]
@@ -66,6 +66,20 @@ class Targets:
 
 
 @dataclass
+class IterationData:
+    """One iteration's training data, ready for the optimizer steps (``PPOUpdate.prepare``)."""
+
+    rollout: RolloutDecisions
+    steps: list[Step]  # every pass's optimizer steps, in order
+    targets: Targets
+    prefix: PrefixOutputs | None  # the frozen blocks' recorded outputs (ppo.cache_frozen)
+
+    @property
+    def sequences(self) -> list[TrainingSequence]:
+        return self.rollout.sequences
+
+
+@dataclass
 class IterationStats:
     """The update's figures for one iteration; ``metrics()`` names them."""
 
@@ -79,12 +93,20 @@ class IterationStats:
     tokens: int = 0  # real tokens the update's forwards fed
     seconds: dict[str, float] = field(default_factory=dict)  # recompute, reference, update
 
-    def add(self, terms: PPOTerms) -> None:
+    def add(self, terms: PPOTerms, fed: int) -> None:
+        """A minibatch's loss terms, and the tokens its forward fed."""
         for key in ("policy", "value", "entropy", "approx_kl", "clipped", "ratio", "kl_ref"):
             self.sums[key] += float(getattr(terms, key))
         self.sums["decisions"] += terms.log_ratio.numel()
+        self.tokens += fed
         if self.first_logratio is None:
             self.first_logratio = terms.log_ratio.abs()
+
+    def add_step(self, lm_grad_norm: float, value_grad_norm: float) -> None:
+        """An optimizer step's gradient norms (before clipping)."""
+        self.sums["grad_norm"] += lm_grad_norm
+        self.sums["grad_norm_value"] += value_grad_norm
+        self.sums["steps"] += 1
 
     def metrics(self) -> dict[str, float]:
         s, c = self.sums, self.coefs
@@ -128,7 +150,25 @@ class PPOUpdate:
     def run(self, episodes: list[Episode], iteration: int, optimizer) -> IterationStats:
         """Update the policy on one rollout's episodes with ``optimizer`` (its two parameter groups:
         the LM's trainable parameters, then the value head's)."""
-        p, stats = self.ppo, IterationStats(self.coefs, self.uses_value)
+        stats = IterationStats(self.coefs, self.uses_value)
+        data = self.prepare(episodes, iteration, stats)  # sequences, old log-probs, reference, advantages
+
+        start = time.perf_counter()
+        for step, normalizer in zip(data.steps, self.step_normalizers(data.steps)):
+            for minibatch in step:
+                terms, fed = self.loss(minibatch, data, normalizer)
+                self.runtime.backward(terms.loss)
+                stats.add(terms, fed)
+            stats.add_step(*self.clip_gradients(optimizer))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        stats.seconds["update"] = time.perf_counter() - start
+        return stats
+
+    def prepare(self, episodes: list[Episode], iteration: int, stats: IterationStats | None = None) -> IterationData:
+        """Everything the optimizer steps need, fixed before the first one: the sequences and their
+        schedule, the old log-probs and values, the KL anchor's log-probs, the advantages."""
+        p, stats = self.ppo, stats or IterationStats(self.coefs, self.uses_value)
         rollout = training_sequences(episodes)
         prefix = PrefixOutputs(self.frozen, rollout.prefix_outputs) if self.frozen is not None else None
         sequences = self.equalize_across_ranks(rollout.sequences)
@@ -148,28 +188,18 @@ class PPOUpdate:
 
         advantages, returns = rollout_advantages(episodes, old_values, p.gamma, p.lam, p.advantage,
                                                  p.normalize_advantages)
-        targets = Targets(old_logprobs, old_values, advantages, returns, rollout.temperatures, ref_logprobs)
         stats.old_values, stats.returns = old_values, returns.float()
+        targets = Targets(old_logprobs, old_values, advantages, returns, rollout.temperatures, ref_logprobs)
+        return IterationData(rollout, steps, targets, prefix)
 
-        start = time.perf_counter()
-        for step, normalizer in zip(steps, self.step_normalizers(steps)):
-            for minibatch in step:
-                out = decision_forward(self.policy, minibatch, self.pad_id, prefix)
-                terms = ppo_loss(self.batch(out, minibatch, targets), self.coefs, normalizer)
-                self.runtime.backward(terms.loss)
-                stats.add(terms)
-                stats.tokens += out.fed
-            lm_norm, value_norm = self.clip_gradients(optimizer)
-            stats.sums["grad_norm"] += lm_norm
-            stats.sums["grad_norm_value"] += value_norm
-            stats.sums["steps"] += 1
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        stats.seconds["update"] = time.perf_counter() - start
-        return stats
+    def loss(self, minibatch: Minibatch, data: IterationData, normalizer: float) -> tuple[PPOTerms, int]:
+        """The minibatch's PPO loss (its share of an optimizer step of ``normalizer`` decisions) and
+        the real tokens its forward fed."""
+        out = decision_forward(self.policy, minibatch, self.pad_id, data.prefix)
+        return ppo_loss(self.batch(out, minibatch, data.targets), self.coefs, normalizer), out.fed
 
     # ---- the pieces run() calls ---------------------------------------------------------------
-    def batch(self, out, minibatch: Minibatch, targets: Targets) -> DecisionBatch:
+    def batch(self, out: ForkOutputs, minibatch: Minibatch, targets: Targets) -> DecisionBatch:
         """The minibatch's forward outputs beside its decisions' targets, on the forward's device."""
         idx = decision_indices(minibatch)
         device = out.logits.device

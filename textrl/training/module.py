@@ -88,7 +88,7 @@ class PPOModule(L.LightningModule):
                              autocast=self._autocast, capture=frozen)
         self.update = PPOUpdate(policy, cfg.ppo, tokenizer.pad_token_id, cfg.seed, self.reference, frozen,
                                 Runtime(backward=self.manual_backward, all_reduce=self._all_reduce,
-                                        world_size=lambda: self.trainer.world_size, loss_scale=self._loss_scale))
+                                        world_size=self._world_size, loss_scale=self._loss_scale))
 
     # ---- one PPO iteration ------------------------------------------------------------------
     def training_step(self, curriculum: Curriculum, batch_idx: int) -> None:
@@ -124,8 +124,11 @@ class PPOModule(L.LightningModule):
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return self.trainer.strategy.reduce(tensor, reduce_op=op)
 
+    def _world_size(self) -> int:
+        return self._trainer.world_size if self._trainer else 1  # no Trainer: one process
+
     def _loss_scale(self) -> float:
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # 16-mixed only
+        scaler = getattr(self._trainer.precision_plugin, "scaler", None) if self._trainer else None  # 16-mixed only
         return float(scaler.get_scale()) if scaler is not None else 1.0
 
     def setup(self, stage: str) -> None:

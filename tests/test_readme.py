@@ -1,0 +1,231 @@
+"""Every `python train.py ...` command of the README and of docs/results.md composes and validates.
+
+The command lines are read from the documents themselves: fenced code blocks (a line continued with
+a backslash is one command) and inline code spans, in the forms `python train.py ARGS`,
+`.venv/bin/python train.py ARGS` and `make train ARGS="..."`. Each is composed through Hydra with
+textrl's config directory and turned into a validated, resolved `TrainConfig`, as `train.py` does
+before it builds anything, so an example that stops composing or validating fails here, named by
+its file and line. A `-m` (multirun) line is composed with the first value of each comma sweep
+(`seed=1,2,3` -> `seed=1`). A literal `...` in a command stands for elided overrides and is
+dropped. A command followed by an `error: ...` line (the README's bad-value example) must fail
+with exactly that message.
+
+Lines that need a GPU (`trainer=gpu`, `sweep=gpus`, `memory=fp16`, `memory=qlora`, `memory=lowmem`,
+...) fail validation on a machine without CUDA. They are composed all the same, and only the CUDA
+check is skipped: when validation refuses a line for the lack of a CUDA GPU, the line is validated
+again with torch reporting a bf16-capable GPU, so every other check still runs.
+
+`python bench/learn.py` lines of the README (not of docs/results.md, whose lines record what ran
+at older commits) must name configurations that `bench/learn.py` has, and each configuration's
+overrides plus the line's compose in the same way.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from textrl.config import CONF_DIR, register_configs, to_train_config
+from textrl.errors import ConfigError
+
+ROOT = CONF_DIR.parent
+DOCUMENTS = ["README.md", "docs/results.md"]
+TRAIN = re.compile(r"(?:^|\s)(?:\S*/)?python3?\s+train\.py\b(.*)$")
+MAKE = re.compile(r"(?:^|\s)make\s+train\s+(ARGS=.*)$")
+LEARN = re.compile(r"(?:^|\s)(?:\S*/)?python3?\s+bench/learn\.py\b(.*)$")
+FENCE = re.compile(r"^\s*```")
+CUDA_MISSING = "needs a CUDA GPU"
+
+
+def _fenced_lines(text: str):
+    """(line number, command line) of every line inside fenced code blocks, continuations joined,
+    and the line that follows each (to find an expected `error:`)."""
+    lines, inside, out = text.split("\n"), False, []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if FENCE.match(line):
+            inside = not inside
+            i += 1
+            continue
+        if inside:
+            start, joined = i + 1, line
+            while joined.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                joined = joined.rstrip()[:-1] + " " + lines[i].strip()
+            following = lines[i + 1] if i + 1 < len(lines) else ""
+            out.append((start, joined, following))
+        i += 1
+    return out
+
+
+def _inline_spans(text: str):
+    """(line number, content) of every inline code span outside fenced blocks; a span may wrap."""
+    kept = []
+    inside = False
+    for line in text.split("\n"):
+        if FENCE.match(line):
+            inside = not inside
+            kept.append("")
+        else:
+            kept.append("" if inside else line)
+    prose = "\n".join(kept)
+    return [(prose.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()))
+            for m in re.finditer(r"`([^`]+)`", prose)]
+
+
+def _split(args: str, comments: bool) -> list[str]:
+    lexer = shlex.shlex(args, posix=True, punctuation_chars=False)
+    lexer.whitespace_split = True
+    lexer.commenters = "#" if comments else ""
+    return list(lexer)
+
+
+def _train_args(command: str, comments: bool) -> list[str] | None:
+    """The tokens after `train.py` (or inside `make train ARGS="..."`), up to a shell operator."""
+    command = command.strip().removeprefix("$ ")
+    if m := MAKE.search(command):
+        assignment = _split(m.group(1), comments)[0]
+        return _split(assignment.removeprefix("ARGS="), comments=False)
+    if m := TRAIN.search(command):
+        tokens = []
+        for token in _split(m.group(1), comments):
+            if token in {"&&", "||", "|", ";", ">", "2>&1"}:
+                break
+            tokens.append(token)
+        return tokens
+    return None
+
+
+def _top_level_comma_split(value: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in value:
+        depth += (ch in "[{(") - (ch in "]})")
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    return [*parts, current]
+
+
+def _overrides(tokens: list[str]) -> list[str]:
+    """Hydra overrides of one command: flags handled, a multirun's sweeps reduced to their first value."""
+    multirun = any(t in {"-m", "--multirun"} for t in tokens)
+    overrides, skip = [], False
+    for token in tokens:
+        if skip:
+            skip = False
+        elif token in {"-m", "--multirun"} or token == "...":
+            continue
+        elif token in {"--cfg", "-c", "--package", "-p"}:
+            skip = True  # their argument follows
+        elif token.startswith("-"):
+            raise AssertionError(f"unexpected flag {token!r}: teach tests/test_readme.py what it means")
+        else:
+            if multirun and "=" in token:
+                key, value = token.split("=", 1)
+                token = f"{key}={_top_level_comma_split(value)[0]}"
+            overrides.append(token)
+    return overrides
+
+
+def _commands():
+    """(id, overrides, expected error or None) of every train.py command in the documents."""
+    found = []
+    for name in DOCUMENTS:
+        text = (ROOT / name).read_text()
+        for line_no, line, following in _fenced_lines(text):
+            tokens = _train_args(line, comments=True)
+            if tokens is not None:
+                expected = following.strip()[len("error: "):] if following.strip().startswith("error: ") else None
+                found.append((f"{name}:{line_no}: {line.strip()[:100]}", tokens, expected))
+        for line_no, span in _inline_spans(text):
+            tokens = _train_args(span, comments=False)
+            if tokens is not None:
+                found.append((f"{name}:{line_no}: `{span[:100]}`", tokens, None))
+    return found
+
+
+COMMANDS = _commands()
+
+
+def _compose(overrides: list[str], tmp_path):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[f"output_dir={tmp_path}", *overrides])
+    return to_train_config(cfg)
+
+
+def _compose_as_on_a_gpu(overrides: list[str], tmp_path, monkeypatch):
+    """The same, with torch reporting one bf16-capable CUDA device: only the CUDA check is skipped."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    return _compose(overrides, tmp_path)
+
+
+def test_the_documents_hold_train_commands():
+    # a sanity check on the extraction itself: the README's own examples are found
+    ids = [c[0] for c in COMMANDS]
+    assert sum(i.startswith("README.md") for i in ids) >= 20
+    assert any("-m sweep=cpu" in i for i in ids)
+    assert any("make train ARGS=" in i for i in ids)
+    assert any(expected for _, _, expected in COMMANDS)
+
+
+@pytest.mark.parametrize("where, tokens, expected", COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_every_documented_train_command_composes(where, tokens, expected, tmp_path, monkeypatch):
+    overrides = _overrides(tokens)
+    if expected is not None:  # the document shows this command failing, with this message
+        with pytest.raises(ConfigError) as err:
+            _compose(overrides, tmp_path)
+        assert str(err.value) == expected
+        return
+    try:
+        _compose(overrides, tmp_path)
+    except ConfigError as exc:
+        if CUDA_MISSING not in str(exc) or torch.cuda.is_available():
+            raise
+        _compose_as_on_a_gpu(overrides, tmp_path, monkeypatch)
+
+
+def _learn_configs() -> dict[str, list[str]]:
+    """bench/learn.py's CONFIGS, read without importing the script."""
+    tree = ast.parse((ROOT / "bench" / "learn.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CONFIGS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("bench/learn.py has no CONFIGS")
+
+
+def _learn_commands():
+    text = (ROOT / "README.md").read_text()
+    lines = [(n, line) for n, line, _ in _fenced_lines(text)] + _inline_spans(text)
+    return [(f"README.md:{n}: {line.strip()[:100]}", m.group(1)) for n, line in lines if (m := LEARN.search(line))]
+
+
+LEARN_COMMANDS = _learn_commands()
+
+
+@pytest.mark.parametrize("where, args", LEARN_COMMANDS, ids=[c[0] for c in LEARN_COMMANDS])
+def test_every_bench_learn_command_of_the_readme_runs_at_head(where, args, tmp_path):
+    tokens = _split(args, comments=True)
+    extra = tokens[tokens.index("--") + 1:] if "--" in tokens else []
+    head = tokens[:tokens.index("--")] if "--" in tokens else tokens
+    configs = []
+    if "--configs" in head:
+        for token in head[head.index("--configs") + 1:]:
+            if token.startswith("--"):
+                break
+            configs.append(token)
+    known = _learn_configs()
+    for name in configs or ["default"]:
+        assert name in known, f"bench/learn.py has no configuration {name!r} (it has {sorted(known)})"
+        _compose([*known[name], *extra, "seed=1"], tmp_path)
