@@ -9,7 +9,8 @@ BIN := $(VENV)/bin
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first and pinned: the CPU build; an unpinned install would pull the CUDA wheels.
+	# torch first and pinned, before anything that depends on it; which build pip picks (CPU or CUDA)
+	# follows its index configuration (README, "Which torch build").
 	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0
 	# every other package at the version in constraints.txt (the set the tests pass with)
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'

@@ -27,8 +27,9 @@ def check_best(result, evals: list[tuple[int, float]]) -> None:
     assert result["best"] == str(best)
     state = load(best)
     assert state["textrl"]["iterations_done"] == iteration
-    (saved,) = [s for k, s in state["callbacks"].items() if "eval/win_rate" in k]  # the `best` callback's state
-    assert float(saved["best_model_score"]) == top
+    for ckpt in (state, load(best.parent / "last.ckpt")):  # a resumed run's `best` knows it too
+        (saved,) = [s for k, s in ckpt["callbacks"].items() if "eval/win_rate" in k]  # the `best` callback's state
+        assert (saved["best_model_path"], float(saved["best_model_score"])) == (str(best), top)
 
 
 def test_the_final_evaluation_is_judged_when_iterations_are_not_a_multiple_of_eval_every(tmp_path):

@@ -1,4 +1,5 @@
-"""Every `python train.py ...` command of the README and of docs/results.md composes and validates.
+"""Every `python train.py ...` command of the README and of docs/results.md composes and validates;
+every function docs/gpu.md cites exists.
 
 The command lines are read from the documents themselves: fenced code blocks (a line continued with
 a backslash is one command) and inline code spans, in the forms `python train.py ARGS`,
@@ -18,6 +19,9 @@ again with torch reporting a bf16-capable GPU, so every other check still runs.
 `python bench/learn.py` lines of the README (not of docs/results.md, whose lines record what ran
 at older commits) must name configurations that `bench/learn.py` has, and each configuration's
 overrides plus the line's compose in the same way.
+
+docs/gpu.md cites code as `textrl/file.py::function` (or `Class.method`), never by line number:
+each cited name must still be defined in that file.
 """
 
 from __future__ import annotations
@@ -229,3 +233,34 @@ def test_every_bench_learn_command_of_the_readme_runs_at_head(where, args, tmp_p
     for name in configs or ["default"]:
         assert name in known, f"bench/learn.py has no configuration {name!r} (it has {sorted(known)})"
         _compose([*known[name], *extra, "seed=1"], tmp_path)
+
+
+def _defines(path: Path, dotted: str) -> bool:
+    """Whether the module at ``path`` defines ``dotted`` (a function, class, ``Class.method`` or a
+    module-level name)."""
+    def names(node) -> set[str]:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return {node.name}
+        if isinstance(node, ast.Assign):
+            return {getattr(t, "id", None) for t in node.targets}
+        if isinstance(node, ast.AnnAssign):
+            return {getattr(node.target, "id", None)}
+        return set()
+
+    scope = ast.parse(path.read_text()).body
+    for part in dotted.split("."):
+        found = next((node for node in scope if part in names(node)), None)
+        if found is None:
+            return False
+        scope = getattr(found, "body", [])
+    return True
+
+
+GPU_CITES = sorted(set(re.findall(r"`(textrl/[\w/]+\.py)::([\w.]+)`", (ROOT / "docs" / "gpu.md").read_text())))
+
+
+@pytest.mark.parametrize("path, name", GPU_CITES, ids=[f"{p}::{n}" for p, n in GPU_CITES])
+def test_docs_gpu_cites_functions_that_exist(path, name):
+    # docs/gpu.md names code as file.py::function (never line numbers): each must still be there
+    assert (ROOT / path).is_file(), f"docs/gpu.md cites {path}, which does not exist"
+    assert _defines(ROOT / path, name), f"docs/gpu.md cites {path}::{name}, which {path} does not define"

@@ -51,7 +51,9 @@ class ModelConfig:
     # with a new optimizer, schedules and iteration count: e.g. medium from an easy run
     init_from: Optional[str] = None
     value_hidden: int = 128  # width of the value head's hidden layer
-    detach_value: bool = True  # value head reads detached hidden states (see the blog's lessons)
+    # the value head reads detached hidden states: its regression loss then cannot pull the LM's
+    # representations toward predicting returns, at the policy's expense
+    detach_value: bool = True
 
 
 @dataclass
@@ -83,9 +85,9 @@ class EnvConfig:
     # oldest turns are dropped beyond this; 8 turns of long easy room descriptions reach ~1050 tokens,
     # and an over-budget prompt is re-encoded, so leave headroom
     max_prompt_tokens: int = 1536
-    list_commands: bool = False  # show admissible commands in the prompt (the seed does not)
-    # repeat the objective at the end of every observation, right before the command (the seed: in the
-    # system message only). On by default: the best lever of RL alone in the easy ablation (README)
+    list_commands: bool = False  # also list the admissible commands in the prompt
+    # repeat the objective at the end of every observation, right before the command (false: in the
+    # system message only). On by default: the best lever of RL alone in the easy ablation (docs/results.md)
     goal_last: bool = True
     workers: int = 2  # game-generation processes
     # processes that hold and step the games of a rollout, side by side (textrl/games/workers.py);
@@ -94,9 +96,8 @@ class EnvConfig:
     step_workers: int = 0
     # the rollout's envs decoded as this many groups, one after the other, each with its own KV cache
     # (with step_workers: at least 2, so that one group's games step while the next decodes).
-    # None: 4 on a CPU, 1 on a GPU, where batch width is what it is good at. On a CPU the grouping
-    # once cut padding; the decoder's calls are packed now (no padding), and 1 / 2 / 4 groups take
-    # the same time within this machine's noise (bench/results/decode_groups.json), so 4 stays
+    # None: 4 on a CPU, 1 on a GPU, where batch width is what it is good at (bench/env_wait.py
+    # --groups measures the choice on a CPU)
     decode_groups: Optional[int] = None
 
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
@@ -108,12 +109,13 @@ class EnvConfig:
 
 @dataclass
 class PPOConfig:
-    """The CPU sizing (``ppo=cpu``, the default); ``ppo=seed`` (conf/ppo/seed.yaml) sets the seed's values.
+    """The CPU sizing (``ppo=cpu``, the default); ``ppo=seed`` (conf/ppo/seed.yaml) sets the values
+    of the GPU runs textrl started from.
 
-    A CPU run makes under two hundred optimizer steps where the seed made thousands: hence the
-    larger learning rates (only SmolLM2's top 6 blocks move; at 1e-4 the near-zero-initialised value
-    head barely moved in a whole run), 2 PPO epochs, one sequence per forward (padding is pure waste
-    on a CPU) and 4 per optimizer step.
+    A CPU run makes a few hundred optimizer steps where a GPU run makes thousands: hence the larger
+    learning rates (only the top blocks move, and a near-zero-initialised value head must move
+    within the run), 2 PPO epochs, one sequence per forward (padding is pure waste on a CPU) and 4
+    per optimizer step.
     """
 
     lr_lm: float = 1e-4

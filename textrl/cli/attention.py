@@ -18,7 +18,9 @@ the first).
     textrl-attention --checkpoint CKPT --games 16 --out attention/
 
 The models run with eager attention for this command only (the others use SDPA, which does not
-return attention weights); every model family works.
+return attention weights), under the checkpoint's autocast (``memory.precision``: what the policy
+computes when it plays); every model family works. Models are converted into the user's cache
+(``--cache-dir``), never the directory a checkpoint names.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from textrl.games.prompt import PromptBuilder
 from textrl.policy.checkpoint import CheckpointError, checkpoint_config, load_policy_weights, read_checkpoint
 from textrl.policy.decoding import Cursor
 from textrl.policy.model import ModelNotFoundError, build_policy
+from textrl.policy.precision import autocast_context
 
 
 @torch.no_grad()
@@ -60,17 +63,35 @@ def objective_positions(tokenizer, ids: list[int], objective: str) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(starts, ends)) if any(a < e and b > s for s, e in spans)]
 
 
+def opening_attention(path, game, prompts: PromptBuilder, models: dict) -> dict:
+    """The attention of each model's first decision at ``game``'s opening observation, with the
+    prompt's tokens and which of them hold the objective."""
+    obs = game.reset()
+    game.close()
+    trie = prompts.trie(obs)
+    ids = prompts.build(obs, []) + Cursor(trie).new  # the tokens before the first decision
+    tokenizer = prompts.tokenizer
+    marked = objective_positions(tokenizer, ids, obs.objective)
+    layers = {name: attention_to_prompt(policy, ids) for name, policy in models.items()}
+    return {"game": game_name(path), "objective": obs.objective, "ids": ids,
+            "tokens": tokenizer.convert_ids_to_tokens(ids), "objective_positions": marked,
+            "objective_share": {name: a[:, marked].sum(-1).tolist() for name, a in layers.items()},
+            "attention": {name: a.tolist() for name, a in layers.items()}}
+
+
 def eager(model_cfg):
     return replace(model_cfg, attn_implementation="eager")
 
 
-def load_models(checkpoint: str, base: str | None):
+def load_models(checkpoint: str, base: str | None, cache_dir: str | None = None):
+    """(tuned, base, tokenizer, the checkpoint's config); models converted into ``cache_dir`` (None:
+    $TEXTRL_CACHE or ~/.cache/textrl), never the checkpoint's."""
     _, state = read_checkpoint(checkpoint, "--checkpoint")
     cfg = checkpoint_config(state)
-    tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
+    tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cache_dir, cfg.memory)
     load_policy_weights(tuned, state, cfg.memory.lora, f"--checkpoint={checkpoint}")
     base_cfg = load_model_config(base) if base else cfg.model
-    base_policy, base_tokenizer = build_policy(eager(base_cfg), cfg.env.step_penalty, cfg.cache_dir)
+    base_policy, base_tokenizer = build_policy(eager(base_cfg), cfg.env.step_penalty, cache_dir)
     if base_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"--base {base} has another tokenizer than the checkpoint's model "
                                  f"({cfg.model.name}): the prompts would differ; use the same model family")
@@ -130,28 +151,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--games", type=int, default=1, help="games whose objective shares are averaged (panels: the first)")
     ap.add_argument("--game-file", help="this game file instead")
     ap.add_argument("--out", default="attention", help="folder for the PNGs and attention.json")
+    ap.add_argument("--cache-dir", default=None, help="games and converted models (default: $TEXTRL_CACHE, else "
+                                                      "~/.cache/textrl; never the directory a checkpoint names)")
     args = ap.parse_args(argv)
     try:
-        tuned, base, tokenizer, cfg = load_models(args.checkpoint, args.base)
+        tuned, base, tokenizer, cfg = load_models(args.checkpoint, args.base, args.cache_dir)
         env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
         paths = [args.game_file] if args.game_file else \
-            GamePool(GameSpec.from_env(env), cache_dir=cfg.cache_dir).games(args.split, args.games, start=args.game)
+            GamePool(GameSpec.from_env(env), cache_dir=args.cache_dir).games(args.split, args.games, start=args.game)
         games = [open_game(p, env) for p in paths]
     except (CheckpointError, ModelNotFoundError, ValueError) as exc:  # ConfigError and GameFileError too
         raise SystemExit(f"error: {exc}") from None
     prompts = PromptBuilder.for_env(tokenizer, env)
-    per_game = []
-    for path, game in zip(paths, games):
-        obs = game.reset()
-        game.close()
-        trie = prompts.trie(obs)
-        ids = prompts.build(obs, []) + Cursor(trie).new  # the tokens before the first decision
-        marked = objective_positions(tokenizer, ids, obs.objective)
-        layers = {"base": attention_to_prompt(base, ids), "tuned": attention_to_prompt(tuned, ids)}
-        per_game.append({"game": game_name(path), "objective": obs.objective, "ids": ids,
-                         "tokens": tokenizer.convert_ids_to_tokens(ids), "objective_positions": marked,
-                         "objective_share": {name: a[:, marked].sum(-1).tolist() for name, a in layers.items()},
-                         "attention": {name: a.tolist() for name, a in layers.items()}})
+    # both models under the autocast the tuned policy was trained and evaluated with
+    with autocast_context(cfg.memory.precision, "cpu"), tuned.frozen_linears_in_autocast_dtype(), \
+            base.frozen_linears_in_autocast_dtype():
+        per_game = [opening_attention(path, game, prompts, {"base": base, "tuned": tuned})
+                    for path, game in zip(paths, games)]
     # the share per layer, mean over the games; the panels show the first game
     shares = {name: torch.tensor([g["objective_share"][name] for g in per_game]).mean(0).tolist()
               for name in ("base", "tuned")}

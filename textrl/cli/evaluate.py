@@ -1,6 +1,6 @@
 """textrl-eval: greedy play on held-out games, with 95% confidence intervals and transcripts.
 
-    textrl-eval --checkpoint outputs/<run>/checkpoints/best-10.ckpt        # a trained policy
+    textrl-eval --checkpoint outputs/<date>/<time>/checkpoints/best-12.ckpt  # a trained policy
     textrl-eval --model smollm2 --env medium --games 64                    # an untrained model
     textrl-eval --random --env hard                                        # uniformly random commands
     textrl-eval --checkpoint CKPT --env easy medium hard tw_cooking        # a generalization table
@@ -99,7 +99,7 @@ def load_policy(policy_source: str, cache_dir: str | None = None):
         policy, tokenizer = build_policy(load_model_config(policy_source.removeprefix("model:")), cache_dir=cache_dir)
         return policy, tokenizer, None, "auto"  # bf16 where the device has it natively, as training
     if policy_source.startswith("checkpoint:"):
-        policy, tokenizer, cfg = load_checkpoint_policy(policy_source.removeprefix("checkpoint:"))
+        policy, tokenizer, cfg = load_checkpoint_policy(policy_source.removeprefix("checkpoint:"), cache_dir=cache_dir)
         return policy, tokenizer, cfg, cfg.memory.precision  # the autocast it was trained (and evaluated) with
     raise ValueError(f"policy must be 'random', 'model:<name>' or 'checkpoint:<path>', got {policy_source!r}")
 

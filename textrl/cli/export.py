@@ -1,6 +1,6 @@
 """textrl-export: turn a training checkpoint into a plain Hugging Face model directory.
 
-    textrl-export outputs/<run>/checkpoints/best-12.ckpt exported/
+    textrl-export outputs/<date>/<time>/checkpoints/best-12.ckpt exported/
 
 LoRA adapters are merged into the base weights; the value head is saved beside the model as
 ``value_head.safetensors``. The directory loads with ``AutoModelForCausalLM.from_pretrained`` and

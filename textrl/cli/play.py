@@ -22,7 +22,7 @@ from textrl.config import EnvConfig, load_env_config, load_model_config
 from textrl.games.env import InvalidCommandError, open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder, observation_text
-from textrl.policy.checkpoint import CheckpointError, checkpoint_config, load_policy_weights, read_checkpoint
+from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
 from textrl.policy.decoding import ConstrainedDecoder, score_commands
 from textrl.policy.model import ModelNotFoundError, PolicyValueModel, build_policy
 from textrl.policy.precision import autocast_context
@@ -57,10 +57,7 @@ def _load_player(args) -> tuple[PolicyValueModel, PromptBuilder, EnvConfig, str]
     Models are converted into the user's cache (``--cache-dir``), never the directory a checkpoint
     names: nothing read from a checkpoint decides where files are written."""
     if args.checkpoint:
-        _, state = read_checkpoint(args.checkpoint, "--checkpoint")
-        cfg = checkpoint_config(state)
-        policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, args.cache_dir, cfg.memory)
-        load_policy_weights(policy, state, cfg.memory.lora, f"--checkpoint={args.checkpoint}")
+        policy, tokenizer, cfg = load_checkpoint_policy(args.checkpoint, "--checkpoint", args.cache_dir)
         env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
         precision = cfg.memory.precision
     else:

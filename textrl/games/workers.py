@@ -5,7 +5,7 @@ commands). In the training process, 64 games step one after the other: half a se
 longer than the model's decoding on a GPU. With W workers, each worker process holds a share of the
 games (game ``i`` on worker ``i % W``) and one call per worker steps all of its games; the W calls
 run at once, so a turn's stepping takes about 1/W of the time. The rollout also splits its
-environments into two groups with a decoder each (``PPOModule.play``, ``run_episodes``): the steps
+environments into two groups with a decoder each (``play_games``, ``run_episodes``): the steps
 are sent without waiting (``step_games_async``), so one group's games step while the other group
 decodes.
 

@@ -116,10 +116,13 @@ def load_policy_weights(policy: PolicyValueModel, state: dict, lora: bool, origi
         check_frozen(state, frozen_fingerprint(policy), origin)
 
 
-def load_checkpoint_policy(path: str | Path, option: str = "checkpoint") -> tuple[PolicyValueModel, object, TrainConfig]:
-    """The policy (with any LoRA adapters), tokenizer and training config stored in a checkpoint."""
+def load_checkpoint_policy(path: str | Path, option: str = "checkpoint",
+                           cache_dir: str | None = None) -> tuple[PolicyValueModel, object, TrainConfig]:
+    """The policy (with any LoRA adapters), tokenizer and training config stored in a checkpoint.
+    Models are found or converted under ``cache_dir`` (the user's; None: the default cache), never
+    the directory the checkpoint names: nothing read from a checkpoint decides where files go."""
     _, state = read_checkpoint(path, option)
     cfg = checkpoint_config(state)
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cache_dir, cfg.memory)
     load_policy_weights(policy, state, cfg.memory.lora, f"{option}={path}")
     return policy, tokenizer, cfg

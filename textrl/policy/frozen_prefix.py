@@ -4,7 +4,7 @@ With ``model.trainable_layers=6`` (SmolLM2: 24 of its 30 blocks frozen) every pa
 the recompute of the old log-probs, the KL reference, each PPO epoch -- used to run the 24 frozen
 blocks again on the same tokens, for the same result. Now the rollout's decoder records the output of
 the last frozen block at every token it feeds (``ConstrainedDecoder.capture``), each training
-sequence takes over its tokens' recordings (``episode_sequences``), and every forward of the update
+sequence takes over its tokens' recordings (``training_sequences``), and every forward of the update
 makes the frozen blocks return the recording instead of computing it: only the trainable blocks (and
 the embedding lookup, which is free) run. A sequence without a recording (the warm start's, or one
 whose row the decoder restarted mid-sequence) records it in its first forward of the iteration. The

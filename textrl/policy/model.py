@@ -150,9 +150,8 @@ def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scali
 
     There transformers copies every cached key and value once per query head group (``repeat_kv``)
     at every call of every layer, because CUDA's kernels fall back to the slow path for a masked
-    ``enable_gqa``. On a CPU those copies were ~13 % of a rollout's profile when the decoder still
-    ran on a masked cache; masks remain in padded batches (minibatches of several sequences,
-    ``score_commands``). The CPU's SDPA kernel takes the key/value heads as they are
+    ``enable_gqa``. On a CPU the copies are pure cost; masks occur in padded batches (minibatches
+    of several sequences, ``score_commands``). The CPU's SDPA kernel takes the key/value heads as they are
     (``enable_gqa``), with the same result (pinned by tests/test_attention_gqa.py). Everywhere
     else, transformers' function unchanged. (The rollout decoder's calls run
     ``textrl.policy.ragged_cache.ragged_attention`` instead.)
@@ -253,9 +252,9 @@ def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None, qu
 class ValueHead(nn.Module):
     """MLP from the last hidden state to a scalar.
 
-    Initialised to predict ``bias`` everywhere: a random head predicted +1.9 where returns averaged
-    -0.3 in the seed and took thousands of updates to recover, so the output layer starts near zero
-    with its bias at the expected per-step reward (-step_penalty).
+    Initialised to predict ``bias`` everywhere: a randomly initialised head predicts values far
+    from the returns and takes many updates to recover (its errors feed every advantage meanwhile),
+    so the output layer starts near zero with its bias at the expected per-step reward (-step_penalty).
     """
 
     def __init__(self, hidden_size: int, inner: int, bias: float):
@@ -288,11 +287,10 @@ class PolicyValueModel(nn.Module):
         ``attention_mask`` covers the cached positions and the new ones; it may have holes (left
         padding), which is why ``position_ids`` are always explicit.
 
-        Runs the LM without its head (``get_decoder``: the stack up to the final norm). Called with
-        the head, even for one position a row, a frozen head's whole [vocabulary x hidden] weight was
-        cast under autocast at every call and multiplied out: for SmolLM2 (bf16, 2-core CPU) 17 % of
-        a fork-level call and 8 % of a 1,000-token forward. The logits that are needed come from
-        ``logits_of`` (a fork's children) or ``logits``.
+        Runs the LM without its head (``get_decoder``: the stack up to the final norm). With the
+        head, even for one position a row, a frozen head's whole [vocabulary x hidden] weight would
+        be cast under autocast at every call and multiplied out for logits nobody reads. The logits
+        that are needed come from ``logits_of`` (a fork's children) or ``logits``.
         """
         out = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -333,9 +331,8 @@ class PolicyValueModel(nn.Module):
         autocast dtype; outside, or without autocast, nothing changes.
 
         Autocast keeps the casts of weights that train for as long as its context lasts, but casts a
-        frozen weight again at every call: with SmolLM2's 24 frozen blocks that is ~85 M floats read
-        and written per model call, 6-13 % of a rollout call on a 2-core CPU (more of the small
-        fork-level calls than of the prompt calls). Autocast would compute these layers in that
+        frozen weight again at every call: every frozen weight read and written per model call,
+        which weighs most on the small fork-level calls. Autocast would compute these layers in that
         dtype anyway, from the same rounded weights, so the outputs are bit for bit the same (pinned
         by tests/test_model.py). The copies cost 2 bytes per frozen weight for as long as the
         context lasts (the rollout), and are made once per context. Output embeddings are left out:

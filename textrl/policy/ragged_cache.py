@@ -1,10 +1,9 @@
 """The rollout decoder's KV cache: rows of different lengths, fed packed, with no padding in the linear layers.
 
 The decoder feeds each row's new tokens -- a turn's observation (tens to hundreds of tokens), or the
-one or two tokens after a fork -- and the rows' counts differ. Fed as one left-padded batch, 16-22 %
-of the positions a rollout's model calls computed were padding, and every padded position also
-stayed in the cache as a hole that later tokens attended over (measured in ``bench/rollout.py``'s
-runs before this cache). Here a call is one packed sequence, every row's new tokens back to back
+one or two tokens after a fork -- and the rows' counts differ. Fed as one left-padded batch, a
+sizeable share of the positions a rollout's model calls compute would be padding, and every padded
+position would stay in the cache as a hole that later tokens attend over. Here a call is one packed sequence, every row's new tokens back to back
 (``[1, tokens]``): the linear layers, most of the model, see real tokens only. Only attention is
 per row, and transformers lets it be replaced (``AttentionInterface``): ``ragged_attention`` stores
 each row's new keys and values after the row's own, and attends each row's queries to its own

@@ -1,4 +1,4 @@
-"""The frozen initial policy that the KL anchor (``ppo.kl_coef``) measures the policy against.
+"""The initial policy that the KL anchor (``ppo.kl_coef``) measures the policy against.
 
 No second copy of the model: with LoRA the reference is the base model with the adapters switched
 off; otherwise it is a copy of the *trainable* LM parameters only (with ``model.trainable_layers=6``,

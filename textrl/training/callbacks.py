@@ -44,11 +44,21 @@ class EvaluateLastIteration(L.Callback):
     fit loop like the others, where ModelCheckpoint judges it (a stand-alone ``validate`` saves no
     checkpoint), so ``best-N.ckpt`` is written whenever an evaluation is the best so far.
 
-    Lightning has no option for this (Lightning-AI/pytorch-lightning#4539, #12473); the Trainer's
-    ``check_val_every_n_epoch`` is read at every epoch's end, so the last epoch sets it to 1."""
+    Lightning has no option for this (Lightning-AI/pytorch-lightning#4539, #12473). It decides after
+    each epoch's last batch, from ``trainer.check_val_every_n_epoch``: the last epoch sets it to 1
+    there, and puts it back once the evaluation is done."""
+
+    def __init__(self):
+        self.every: int | None = None  # the Trainer's own setting while the last epoch overrides it
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        # at the end of the epoch's batch (one PPO iteration: one batch), right before Lightning
-        # decides whether to validate; a run resumed from last.ckpt passes here as well
-        if trainer.current_epoch + 1 == trainer.max_epochs:
-            trainer.check_val_every_n_epoch = 1
+        # one PPO iteration is one batch; a run resumed from last.ckpt passes here as well
+        if trainer.current_epoch + 1 == trainer.max_epochs and trainer.check_val_every_n_epoch != 1:
+            self.every, trainer.check_val_every_n_epoch = trainer.check_val_every_n_epoch, 1
+
+    def on_validation_end(self, trainer, pl_module):
+        # before ModelCheckpoint's own hook (checkpoint callbacks run last): with the setting back,
+        # `best` judges this evaluation when it ends, as every other one, and last.ckpt, written at
+        # the epoch's end, holds its verdict
+        if self.every is not None:
+            trainer.check_val_every_n_epoch, self.every = self.every, None
