@@ -1,4 +1,4 @@
-"""Every `python train.py ...` command of the README and of docs/results.md composes and validates;
+"""Every `python train.py ...` command of the READMEs and of docs/results.md composes and validates;
 every function docs/gpu.md cites exists.
 
 The command lines are read from the documents themselves: fenced code blocks (a line continued with
@@ -39,7 +39,7 @@ from textrl.config import CONF_DIR, register_configs, to_train_config
 from textrl.errors import ConfigError
 
 ROOT = CONF_DIR.parent
-DOCUMENTS = ["README.md", "docs/results.md"]
+DOCUMENTS = ["README.md", "docs/results.md", "multirun/README.md"]
 TRAIN = re.compile(r"(?:^|\s)(?:\S*/)?python3?\s+train\.py\b(.*)$")
 MAKE = re.compile(r"(?:^|\s)make\s+train\s+(ARGS=.*)$")
 LEARN = re.compile(r"(?:^|\s)(?:\S*/)?python3?\s+bench/learn\.py\b(.*)$")
