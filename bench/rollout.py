@@ -6,7 +6,9 @@ as fast as that method allows: it computes the logits of the last position only 
 full-vocabulary logits of every position) and reads only the allowed children's, as the cached
 decoder does. Both decoders play the same games from the same seeds through training's
 ``play_games`` (the env's prompt, the run's autocast -- ``memory=auto``: bf16 where the CPU has it
--- and the frozen weights held in its dtype); only the decoder differs. Rounds alternate the two
+-- and the frozen weights held in its dtype); only the decoder differs. (Results before the commit
+that introduced ``play_games`` used a fixed 2,048-token prompt budget without ``env.goal_last``:
+compare figures only within one result file.) Rounds alternate the two
 decoders (cached, naive, cached, naive, ...) so that a slow stretch of the machine hits both; the
 speed-up is the ratio of the median rounds, with the range of each. Both decode the envs in the same
 groups (``--groups``, default training's on a CPU, ``env.decode_groups``), each group its own batch:
@@ -88,10 +90,10 @@ def main(argv=None):
     groups = args.groups or default_decode_groups(args.envs, cuda=False)
     # both play as training's rollouts do (play_games): env's prompt, the run's autocast, frozen
     # weights cast once per rollout; only the decoders differ
-    players = {"cached": [ConstrainedDecoder(policy) for _ in range(groups)],
-               "naive": [NaiveDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]}
-    players = {name: Player(policy, tokenizer, decoders, autocast=lambda: autocast_context(precision, "cpu"))
-               for name, decoders in players.items()}
+    decoders = {"cached": [ConstrainedDecoder(policy) for _ in range(groups)],
+                "naive": [NaiveDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]}
+    players = {name: Player(policy, tokenizer, d, autocast=lambda: autocast_context(precision, "cpu"))
+               for name, d in decoders.items()}
     rounds = {name: [] for name in players}
     for k in range(args.rounds):
         for name, player in players.items():  # same games and seeds (round k) for both decoders

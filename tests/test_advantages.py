@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from textrl.policy.decoding import Action, Decision
-from textrl.policy.distribution import entropy as entropy_over_allowed
+from textrl.policy.distribution import entropy
 from textrl.ppo.advantages import episode_gae, gae, whiten
 from textrl.ppo.losses import DecisionBatch, LossCoefs, explained_variance, ppo_loss
 from textrl.rollout import Episode, Step
@@ -101,7 +101,7 @@ def test_whiten_and_explained_variance():
 def test_ppo_loss_is_clipped_summed_and_normalised_and_entropy_covers_only_allowed_tokens():
     logits = torch.zeros(2, 5)
     allowed = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
-    ent = entropy_over_allowed(torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), -1))
+    ent = entropy(torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), -1))
     assert ent.tolist() == pytest.approx([torch.log(torch.tensor(2.0)).item(), torch.log(torch.tensor(4.0)).item()])
     tokens = torch.tensor([0, 2])
     new = torch.log(torch.tensor([0.5, 0.25]))

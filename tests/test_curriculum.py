@@ -9,6 +9,7 @@ import pytest
 import textrl.cli.train as cli
 from textrl.config import ConfigError
 from textrl.training.curriculum import Curriculum
+from textrl.training.datamodule import RolloutDataModule
 from tests.conftest import StopAfter, config, read_metrics
 
 STAGES = ["curriculum.stages=[easy,medium]", "env.goal_last=true"]
@@ -65,6 +66,21 @@ def test_lost_games_are_replayed_without_stages_by_default_and_not_when_switched
     off.record(0.0, [str(g) for g in off.games(0).games])
     assert off.games(1).replayed == 0
     assert off.games(1) == ready(config(tmp_path, "curriculum.replay=0")).games(1)
+
+
+def test_evaluation_on_training_games_plays_the_current_stage(tmp_path):
+    """The second validation loader (eval.train_games fixed training games) is read when an
+    evaluation starts: after a stage move it holds the new stage's games, with the stage's settings."""
+    data = RolloutDataModule(config(tmp_path, *STAGES, "curriculum.threshold=0.0", "curriculum.window=1"))
+    data.prepare_data()
+    data.setup("fit")
+    held_out, train = data.val_dataloader()
+    games, env = next(iter(train))
+    assert env.name == "easy" and len(games) == 2 and set(games) <= set(data.curriculum.train_games)
+    assert data.curriculum.record(1.0, [])  # on to medium
+    games, env = next(iter(train))
+    assert env.name == "medium" and "textworld-r3-o4-q3" in str(games[0])
+    assert next(iter(held_out))[1].name == "easy"  # evaluation stays on env
 
 
 def test_bad_curriculum_is_refused_at_start(tmp_path):

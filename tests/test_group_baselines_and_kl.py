@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from textrl.policy.distribution import kl_to_reference as kl_over_allowed
+from textrl.policy.distribution import kl_to_reference
 from textrl.policy.model import build_policy
 from textrl.ppo.advantages import grpo, rloo, rollout_advantages
 from textrl.rollout import Sampling, episode_seeds, play_games
@@ -50,14 +50,14 @@ def test_kl_over_allowed_tokens_equals_a_direct_computation():
     ref_t = torch.tensor([r + [float("-inf")] * (width - len(r)) for r in ref])
     direct = [sum(float(logp[i, t].exp()) * (float(logp[i, t]) - ref[i][k]) for k, t in enumerate(c))
               for i, c in enumerate(children)]
-    assert kl_over_allowed(logp.gather(1, index), ref_t).tolist() == pytest.approx(direct, abs=1e-6)
+    assert kl_to_reference(logp.gather(1, index), ref_t).tolist() == pytest.approx(direct, abs=1e-6)
     same = torch.tensor([[float(logp[i, t]) for t in c] + [float("-inf")] * (width - len(c)) for i, c in enumerate(children)])
-    assert kl_over_allowed(logp.gather(1, index), same).abs().max() < 1e-6
+    assert kl_to_reference(logp.gather(1, index), same).abs().max() < 1e-6
     # as the update calls it: log-probs of the allowed entries only, -inf at the padding; the
     # padding must not turn the gradient into NaN
     narrow = logits.gather(1, index).requires_grad_()
     valid = torch.isfinite(ref_t)
-    kl = kl_over_allowed(torch.log_softmax(narrow.masked_fill(~valid, float("-inf")), -1), ref_t)
+    kl = kl_to_reference(torch.log_softmax(narrow.masked_fill(~valid, float("-inf")), -1), ref_t)
     assert kl.tolist() == pytest.approx(direct, abs=1e-6)
     kl.sum().backward()
     assert torch.isfinite(narrow.grad).all() and narrow.grad[~valid].abs().max() == 0

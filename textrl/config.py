@@ -99,6 +99,16 @@ class EnvConfig:
     # None: 4 on a CPU, 1 on a GPU, where batch width is what it is good at (bench/env_wait.py
     # --groups measures the choice on a CPU)
     decode_groups: Optional[int] = None
+    # seconds a game may take to answer a reset or a step (a step worker: this per game of a call);
+    # one that takes longer is a fault: its episode is aborted (env.max_aborted). Step workers and
+    # TextWorldExpress engines are killed when they pass it; a TextWorld game in the training process
+    # (step_workers=0) cannot be interrupted: a late answer aborts its episode once it comes, a game
+    # that never answers hangs the run. Where games may hang, use env.step_workers >= 1
+    step_timeout: float = 60.0
+    # the run stops (GameFaultError) when more than this share of an iteration's training episodes,
+    # or of an evaluation's, are aborted by game faults (an engine error, no answer in time, a dead
+    # step worker or Java engine); aborted episodes are left out of the update and the metrics
+    max_aborted: float = 0.5
 
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
         """These games, shown the way a policy trained on ``policy_env`` saw its own: its prompt
@@ -131,6 +141,9 @@ class PPOConfig:
     minibatch_size: int = 1  # sequences per forward
     grad_accum: int = 4  # forwards per optimizer step
     max_grad_norm: float = 1.0  # clips the LM's gradient norm and, separately, the value head's
+    # an optimizer step whose loss or gradient norm is not finite is skipped (optim/skipped_steps);
+    # this many in a row stop the run (16-mixed: its loss scaler skips such steps itself)
+    max_skipped_steps: int = 3
     normalize_advantages: bool = True
     # gae: GAE per turn with the value head; grpo: the episode's return normalised within its group
     # (env.group_size episodes of one game); rloo: the return minus the mean of the group's others.
@@ -252,6 +265,9 @@ class TrainConfig:
     cache_dir: Optional[str] = None  # games and converted models; None: $TEXTRL_CACHE or ~/.cache/textrl
     output_dir: str = MISSING  # the run directory (train.yaml sets it to Hydra's output dir)
     ckpt_path: Optional[str] = None  # resume from this checkpoint (e.g. <run>/checkpoints/last.ckpt)
+    # started in a run directory that holds checkpoints/last.ckpt (a requeued job, or hydra.run.dir=DIR
+    # again), resume from it; false: start over there
+    resume: bool = True
 
 
 def register_configs() -> None:
@@ -311,6 +327,9 @@ def _check_env(e: EnvConfig) -> None:
     _check("env.decode_groups", e.decode_groups, e.decode_groups is None or 1 <= e.decode_groups <= e.num_envs,
            f"an integer in [1, env.num_envs={e.num_envs}], or null (4 on a CPU, 1 on a GPU)")
     _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= 128, "an integer >= 128")
+    _check("env.step_timeout", e.step_timeout, math.isfinite(e.step_timeout) and e.step_timeout > 0,
+           "a number of seconds > 0")
+    _check("env.max_aborted", e.max_aborted, 0 <= e.max_aborted < 1, "a share in [0, 1)")
     _check("env.group_size", e.group_size, e.num_envs % e.group_size == 0,
            f"a divisor of env.num_envs ({e.num_envs}): each game is played group_size times")
     games = e.num_envs // e.group_size
@@ -337,7 +356,7 @@ def _check_ppo(p: PPOConfig, e: EnvConfig) -> None:
         _check(f"ppo.{key}", v, 0 < v <= 1, "a number in (0, 1]")
     _check("ppo.temperature_min", p.temperature_min, 0 < p.temperature_min <= p.temperature,
            f"in (0, ppo.temperature={p.temperature}]")
-    for key in ["epochs", "minibatch_size", "grad_accum"]:
+    for key in ["epochs", "minibatch_size", "grad_accum", "max_skipped_steps"]:
         _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 1, "an integer >= 1")
 
 

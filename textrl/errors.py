@@ -10,3 +10,14 @@ class ConfigError(ValueError):
 
 class GameFileError(ValueError):
     """A game file that is missing or that its game engine cannot load."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite values it cannot step past: too many optimizer steps in a row
+    with a non-finite loss or gradient, or a non-finite weight. Raised before any checkpoint of the
+    iteration is written, so ``last.ckpt`` keeps the last finite policy."""
+
+
+class GameFaultError(RuntimeError):
+    """More than ``env.max_aborted`` of an iteration's episodes were aborted by game faults (an
+    engine error, no answer within ``env.step_timeout``, a dead step worker or Java engine)."""

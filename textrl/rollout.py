@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import random
 import time
@@ -22,13 +23,16 @@ from typing import Callable
 import torch
 
 from textrl.config import EnvConfig
-from textrl.games.env import Game, Observation, open_game
+from textrl.errors import GameFaultError
+from textrl.games.env import Game, GameFault, Observation, open_game
 from textrl.games.pool import game_name
 from textrl.games.prompt import PromptBuilder
 from textrl.games.workers import GameWorkers, reset_games, step_games_async
 from textrl.policy.decoding import Action, ConstrainedDecoder, Decision, DecodeProfile
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,6 +53,9 @@ class Episode:
     won: bool = False
     # value estimate of the state the step limit cut the episode at (training rollouts only)
     bootstrap_value: float | None = None
+    # why a game fault (an engine error, no answer in time, a dead worker or engine) cut the episode
+    # short: its steps so far are kept for reading, but no update or metric counts it
+    aborted: str | None = None
 
     @property
     def truncated(self) -> bool:
@@ -76,11 +83,11 @@ class RolloutStats:
     def decisions_per_s(self) -> float:
         return self.decisions / max(self.seconds, 1e-9)
 
-    def metrics(self, prefix: str = "rollout") -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """``rollout/decisions*`` and where the rollout's time went (``perf/rollout_*``): the games,
         the model calls (prompts / fork levels), the draws; the rest of ``perf/rollout_s`` is Python
         (prompts, tries, bookkeeping)."""
-        out = {f"{prefix}/decisions": float(self.decisions), f"{prefix}/decisions_per_s": self.decisions_per_s,
+        out = {"rollout/decisions": float(self.decisions), "rollout/decisions_per_s": self.decisions_per_s,
                "perf/rollout_s": self.wall_s if self.wall_s is not None else self.seconds,
                "perf/rollout_env_s": self.env_s}
         if self.decode is not None:
@@ -89,6 +96,11 @@ class RolloutStats:
                         "perf/rollout_choose_s": d.choose_s, "perf/rollout_tokens": float(d.tokens),
                         "perf/rollout_tokens_per_s": d.tokens / max(d.prefill_s + d.fork_s, 1e-9)})
         return out
+
+
+def iteration_rng(seed: int, iteration: int) -> random.Random:
+    """Game order and minibatch order depend only on (seed, iteration): a resumed run repeats them."""
+    return random.Random(seed * 1_000_003 + iteration)
 
 
 def episode_seeds(seed: int, iteration: int, games: list) -> list[int]:
@@ -183,13 +195,13 @@ def play_games(player: Player, games: list[Path], env: EnvConfig,
     act in train mode only) under its autocast, with its frozen weights cast to the autocast dtype
     once for the rollout instead of at every call."""
     start = time.perf_counter()
-    envs = player.workers.open(games, env) if player.workers else [open_game(g, env) for g in games]
     prompts = PromptBuilder.for_env(player.tokenizer, env)
+    envs = player.workers.open(games, env) if player.workers else [open_game(g, env) for g in games]
     was_training = player.policy.training
-    player.policy.eval()
-    for decoder in player.decoders:  # training rollouts keep the frozen blocks' outputs for the update
-        decoder.capture = None if sampling is None else player.capture
     try:
+        player.policy.eval()
+        for decoder in player.decoders:  # training rollouts keep the frozen blocks' outputs for the update
+            decoder.capture = None if sampling is None else player.capture
         with torch.no_grad(), player.autocast(), player.policy.frozen_linears_in_autocast_dtype():
             episodes, stats = decode_episodes(envs, player.decoders, prompts, sampling, bootstrap=sampling is not None)
     finally:
@@ -234,15 +246,26 @@ def run_episodes(envs: list[Game], act, value=None, groups: int = 1) -> tuple[li
     asynchronous when the games live on worker processes (``step_games_async``), so one group's
     games step while the next group decodes; in process it is done by the time the call returns.
     ``env_s`` is the time this loop spends on games: stepping them, or waiting for their outcome.
+
+    A game that faults (``GameFault``: its engine raised, answered too late, or died) leaves like a
+    finished one, its episode marked ``aborted`` and logged with the game file and the engine's
+    traceback; so does a game that offers no command at its start. A game that offers none after a
+    step ends its episode there (``terminated``, not won: ``Game.step``), with a log line. Each
+    episode draws from its own generator, so the other episodes play as they would without them.
     """
     start = time.perf_counter()
     episodes = [Episode(game=str(env.game_file)) for env in envs]
-    reset_games(envs)
+    openings = reset_games(envs)
     env_s = time.perf_counter() - start
+    for i, opening in enumerate(openings):
+        if not isinstance(opening, GameFault) and not opening.admissible_commands:
+            openings[i] = GameFault(str(envs[i].game_file), "it offers no admissible command at its start")
+        if isinstance(openings[i], GameFault):
+            _abort(episodes[i], openings[i])
     # contiguous blocks: game workers hold games round-robin, so each block spreads over all of them
     bounds = [round(g * len(envs) / groups) for g in range(groups + 1)]
     blocks = [list(range(bounds[g], bounds[g + 1])) for g in range(groups)]
-    live = [list(b) for b in blocks]
+    live = [[i for i in b if episodes[i].aborted is None] for b in blocks]
     pending: list = [None] * groups  # per group: (rows, observations, chosen, steps in flight)
     decisions = turns = 0
     while any(live) or any(pending):
@@ -255,6 +278,9 @@ def run_episodes(envs: list[Game], act, value=None, groups: int = 1) -> tuple[li
                 env_s += time.perf_counter() - waited
                 still = []
                 for i, o, (p, a), result in zip(rows, obs, chosen, results):
+                    if isinstance(result, GameFault):
+                        _abort(episodes[i], result)
+                        continue
                     episodes[i].steps.append(Step(o, p, a, result.reward, result.terminated, result.truncated,
                                                   result.observation.feedback))
                     episodes[i].won = result.observation.won
@@ -262,6 +288,10 @@ def run_episodes(envs: list[Game], act, value=None, groups: int = 1) -> tuple[li
                     turns += 1
                     if not result.done:
                         still.append(i)
+                    elif not (result.observation.admissible_commands or result.observation.won
+                              or result.observation.lost):
+                        log.warning("%s offers no admissible command after %r (step %d): its episode ends there, "
+                                    "not won", episodes[i].game, a.command, episodes[i].length)
                 live[g] = still
             if live[g]:
                 obs = [envs[i].observation for i in live[g]]
@@ -272,11 +302,25 @@ def run_episodes(envs: list[Game], act, value=None, groups: int = 1) -> tuple[li
                 env_s += time.perf_counter() - sent
     if value is not None:
         for g in range(groups):
-            cut = [i for i in blocks[g] if episodes[i].truncated]
+            cut = [i for i in blocks[g] if episodes[i].truncated and episodes[i].aborted is None]
             if cut:
                 for i, v in zip(cut, value(g, cut, [envs[i].observation for i in cut])):
                     episodes[i].bootstrap_value = v
     return episodes, RolloutStats(time.perf_counter() - start, decisions, turns, env_s)
+
+
+def _abort(episode: Episode, fault: GameFault) -> None:
+    episode.aborted = fault.reason
+    log.warning("episode of %s aborted: %s%s", fault.game_file, fault.reason,
+                f"\n{fault.detail.rstrip()}" if fault.detail else "")
+
+
+def check_aborted(aborted: float, total: float, max_aborted: float, what: str) -> None:
+    """Stop the run when more than ``max_aborted`` (``env.max_aborted``) of ``total`` episodes were
+    aborted by game faults: games that fail that often are no training signal."""
+    if total and aborted / total > max_aborted:
+        raise GameFaultError(f"{aborted:g} of {total:g} {what} episodes were aborted by game faults, more than "
+                             f"env.max_aborted={max_aborted:g} of them; the log names each game and its error")
 
 
 def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:

@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="random policy only")
     ap.add_argument("--transcripts", type=int, default=None, help="games to transcribe (default: all)")
     ap.add_argument("--out", help="output directory (default eval/<policy>-<env>)")
+    ap.add_argument("--cache-dir", help="games and converted models (default: $TEXTRL_CACHE or ~/.cache/textrl; "
+                                        "never a checkpoint's)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     count = args.games[0] if len(args.games) == 1 and args.games[0].isdigit() else None
@@ -225,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = game_files(args.games) if count is None else None
         for source, name in zip(sources, names):
-            loaded = load_policy(source)
+            loaded = load_policy(source, args.cache_dir)
             for setting in settings:
-                summary, episodes = evaluate(source, setting, games=int(count or 0), batch=args.batch, seed=args.seed, files=files,
+                summary, episodes = evaluate(source, setting, games=int(count or 0), batch=args.batch, seed=args.seed,
+                                             cache_dir=args.cache_dir, files=files,
                                              max_steps=args.max_steps, loaded=loaded)
                 # written as soon as played (and the table so far): a long evaluation keeps what it did
                 out = Path(args.out or f"eval/{name}-{summary['env']}") if single else root / f"{name}-{summary['env']}"

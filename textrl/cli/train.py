@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from pathlib import Path
 
 import hydra
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from textrl.config import CONF_DIR, TrainConfig, register_configs, resolve, to_train_config, validate
-from textrl.errors import ConfigError, GameFileError
+from textrl.errors import ConfigError, GameFaultError, GameFileError, NonFiniteError
 from textrl.games.pool import check_games
 from textrl.games.prompt import PromptTooLongError
-from textrl.policy.checkpoint import (CheckpointError, checkpoint_config, frozen_fingerprint, leaves_frozen_weights_out,
+from textrl.policy.checkpoint import (CheckpointError, check_same_model, frozen_fingerprint, leaves_frozen_weights_out,
                                       load_policy_weights, read_checkpoint)
 from textrl.policy.model import ModelNotFoundError, build_policy
-from textrl.training.callbacks import AtomicCheckpointIO, EvaluateLastIteration
+from textrl.training.callbacks import AtomicCheckpointIO, EvaluateLastIteration, Interrupted, StopOnSignal
 from textrl.training.datamodule import RolloutDataModule
 from textrl.training.loggers import WandbIdCallback, make_logger
 from textrl.training.module import PPOModule
@@ -42,18 +44,11 @@ def train(cfg: DictConfig | TrainConfig, callbacks: list[L.Callback] = ()) -> di
 
 
 def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
-    resume_state, resume_iteration = None, None
+    resume_state = _resume(cfg)  # before anything is built; a resumed run continues in its own directory
+    resume_iteration = resume_state["iterations_done"] if resume_state is not None else None
     run_dir = Path(cfg.output_dir)
-    if cfg.ckpt_path:
-        ckpt, state = read_checkpoint(cfg.ckpt_path)
-        resume_state = state["textrl"]
-        if "iterations_done" not in resume_state:
-            raise CheckpointError(f"ckpt_path={cfg.ckpt_path} was written by an older textrl and cannot be resumed "
-                                  f"exactly; textrl-eval and textrl-play still read it")
-        resume_iteration = resume_state["iterations_done"]
-        del state
-        run_dir = ckpt.parent.parent  # continue the same run directory: logs, checkpoints, transcripts
-        cfg.output_dir = str(run_dir)
+    if resume_iteration is not None and resume_iteration >= cfg.iterations:
+        return _finished(cfg, run_dir, resume_iteration)
     init_state = _init_from(cfg) if cfg.model.init_from and resume_state is None else None
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.memory.name == "auto":
@@ -86,57 +81,109 @@ def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
                            save_on_train_epoch_end=True, enable_version_counter=False)
     best = ModelCheckpoint(dirpath=checkpoints, filename="best-{iteration:.0f}", monitor="eval/win_rate",
                            mode="max", save_top_k=1, auto_insert_metric_name=False)
+    stop = StopOnSignal()
     trainer = L.Trainer(
         max_epochs=cfg.iterations,
         accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, strategy=cfg.trainer.strategy,
         num_nodes=cfg.trainer.num_nodes, precision=cfg.memory.precision,
         logger=make_logger(cfg, run_dir, resume_state, resume_iteration),
-        callbacks=[last, best, EvaluateLastIteration(), WandbIdCallback(), *callbacks],
+        callbacks=[last, best, EvaluateLastIteration(), WandbIdCallback(), stop, *callbacks],
         plugins=[AtomicCheckpointIO()],
         check_val_every_n_epoch=cfg.eval.every, num_sanity_val_steps=0, log_every_n_steps=1,
         default_root_dir=run_dir, use_distributed_sampler=False, enable_model_summary=False,
     )
     if warm and trainer.logger is not None:
         trainer.logger.log_metrics({**warm, "iteration": 0.0}, step=0)
-    if resume_state is None and (cfg.eval.before_training or cfg.iterations == 0):
+    with stop.listening():  # SIGTERM (SIGUSR1/2): stop after the current iteration's last.ckpt
+        try:
+            _fit(cfg, trainer, module, datamodule, resume_state is None)
+            done = trainer.current_epoch >= cfg.iterations
+        except SIGTERMException:  # Lightning's own stop on SIGTERM, after an iteration's end or before its start
+            stop.signum = signal.SIGTERM
+            done = 0 < cfg.iterations <= trainer.current_epoch
+    if stop.signum is not None and not done:
+        raise Interrupted(stop.signum, trainer.current_epoch, cfg.iterations, run_dir)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if cfg.iterations == 0:
+        return {"metrics": metrics, "run_dir": run_dir, "last": str(checkpoints / "warm_start.ckpt"), "best": "",
+                "module": module, "trainer": trainer}
+    return {"metrics": metrics, "run_dir": run_dir, "last": last.best_model_path,
+            "best": best.best_model_path, "module": module, "trainer": trainer}
+
+
+def _fit(cfg: TrainConfig, trainer: L.Trainer, module: PPOModule, datamodule: RolloutDataModule, fresh: bool) -> None:
+    """Iteration 0's evaluation (a ``fresh`` run), then the iterations, or a warm start's checkpoint."""
+    if fresh and (cfg.eval.before_training or cfg.iterations == 0):
         trainer.validate(module, datamodule=datamodule, verbose=False)  # iteration 0: the starting policy
         module.train()  # validate() leaves the modules in eval mode
     if cfg.iterations == 0:  # a warm start alone: its policy as a checkpoint that model.init_from reads
-        trainer.save_checkpoint(checkpoints / "warm_start.ckpt")
-        return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "run_dir": run_dir,
-                "last": str(checkpoints / "warm_start.ckpt"), "best": "", "module": module, "trainer": trainer}
+        trainer.save_checkpoint(Path(cfg.output_dir) / "checkpoints" / "warm_start.ckpt")
+        return
     # evaluations after every eval.every-th iteration and after the last (EvaluateLastIteration), all
     # inside fit: each is logged as one eval row and judged by `best`
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(cfg.ckpt_path) if cfg.ckpt_path else None)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return {"metrics": metrics, "run_dir": run_dir, "last": last.best_model_path,
-            "best": best.best_model_path, "module": module, "trainer": trainer}
+
+
+def _resume(cfg: TrainConfig) -> dict | None:
+    """The textrl state of the checkpoint this run continues from, read and checked before anything
+    is built: ``ckpt_path``, else (``resume``, the default) the run directory's own
+    ``checkpoints/last.ckpt`` (a requeued job, or ``python train.py hydra.run.dir=DIR`` again).
+    Points ``cfg.output_dir`` at the checkpoint's run directory, and ``cfg.ckpt_path`` at it."""
+    last = Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
+    auto = not cfg.ckpt_path and last.is_file()
+    if auto and not cfg.resume:
+        log.warning("resume=false: starting over in %s, whose checkpoints are replaced and whose logs are appended "
+                    "to (another hydra.run.dir keeps the runs apart)", cfg.output_dir)
+        return None
+    if auto:
+        cfg.ckpt_path = str(last)
+    if not cfg.ckpt_path:
+        return None
+    ckpt, state = read_checkpoint(cfg.ckpt_path)
+    over = "; resume=false starts this run over" if auto else ""
+    if "iterations_done" not in state["textrl"]:
+        raise CheckpointError(f"ckpt_path={cfg.ckpt_path} was written by an older textrl and cannot be resumed "
+                              f"exactly; textrl-eval and textrl-play still read it{over}")
+    check_same_model(cfg, state, f"ckpt_path={cfg.ckpt_path}", "A run resumes with the model and memory options it "
+                     f"was trained with (its .hydra/overrides.yaml){over}")
+    cfg.output_dir = str(ckpt.parent.parent)  # the same run directory: logs, checkpoints, transcripts
+    log.info("resuming from %s: %d of %d iterations done%s", ckpt, state["textrl"]["iterations_done"],
+             cfg.iterations, " (resume=false starts over)" if auto else "")
+    return state["textrl"]
+
+
+def _finished(cfg: TrainConfig, run_dir: Path, done: int) -> dict:
+    """Started again when all its iterations are done (a job requeued after its last checkpoint):
+    nothing to train."""
+    log.info("nothing to do: %s holds %d iterations, iterations=%d. To train its policy further, start a new "
+             "run from it: model.init_from=%s", cfg.ckpt_path, done, cfg.iterations, cfg.ckpt_path)
+    best = sorted((run_dir / "checkpoints").glob("best-*.ckpt"))
+    return {"metrics": {}, "run_dir": run_dir, "last": str(cfg.ckpt_path), "best": str(best[-1]) if best else "",
+            "module": None, "trainer": None}
 
 
 def _init_from(cfg: TrainConfig) -> dict:
     """The checkpoint of ``model.init_from``, read and checked against this run's model before
     anything is built."""
     _, state = read_checkpoint(cfg.model.init_from, "model.init_from")
-    source = checkpoint_config(state)
-    mine, theirs = cfg.model, source.model
-    same = (mine.name, mine.source, mine.architecture, cfg.memory.lora) == \
-        (theirs.name, theirs.source, theirs.architecture, source.memory.lora)
-    if not same:
-        raise CheckpointError(
-            f"model.init_from={cfg.model.init_from} holds a policy of model={theirs.name} "
-            f"(source {theirs.source}, LoRA {source.memory.lora}); this run uses model={mine.name} "
-            f"(source {mine.source}, LoRA {cfg.memory.lora}). Use the same model and memory option, or export it "
-            f"(textrl-export CKPT DIR) and train from the directory: model.source=hub model.path=DIR")
+    check_same_model(cfg, state, f"model.init_from={cfg.model.init_from}",
+                     "Use the same model and memory option, or export it (textrl-export CKPT DIR) and train from "
+                     "the directory: model.source=hub model.path=DIR")
     return state
 
 
-USER_ERRORS = (ConfigError, ModelNotFoundError, CheckpointError, GameFileError, PromptTooLongError)
+# bad input, and a run that cannot go on (its last.ckpt stays the last good one)
+USER_ERRORS = (ConfigError, ModelNotFoundError, CheckpointError, GameFileError, PromptTooLongError, NonFiniteError,
+               GameFaultError)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> None:
     try:
         result = train(cfg)
-    except USER_ERRORS as exc:  # bad input: one clear line, not a traceback
+    except USER_ERRORS as exc:  # one clear line, not a traceback
         raise SystemExit(f"error: {exc}") from None
+    except Interrupted as exc:  # a signal: started again, the run resumes from its last.ckpt
+        log.warning("%s", exc)
+        raise SystemExit(128 + exc.signum) from None
     log.info("done: %s", {k: round(v, 4) for k, v in result["metrics"].items() if k.startswith("eval/")})

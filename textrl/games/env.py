@@ -5,13 +5,26 @@ by the file.
 Reward per step = score change + ``win_bonus`` on the winning step − ``loss_penalty`` on the
 losing step − ``step_penalty``. An episode ends when the game is won or lost (``terminated``; only
 some families can be lost, e.g. tw-cooking: a burnt ingredient, an eaten one) or after
-``max_steps`` commands (``truncated``). A command that is not admissible is refused before it reaches the game.
+``max_steps`` commands (``truncated``). A game that offers no admissible command after a step ends
+the episode there, ``terminated`` though neither won nor lost: no command, hence no future reward,
+can follow (a game with none at its start cannot be played: ``textrl.rollout`` aborts it). A command
+that is not admissible is refused before it reaches the game.
+
+Every call into the engine (``reset``, a step) goes through ``Game._call``: an exception, or an
+answer later than ``env.step_timeout``, becomes a ``GameFault`` that names the game and carries the
+engine's own traceback; the caller aborts that episode only. Here, in the process that plays, a
+TextWorld game cannot be interrupted: a late answer is a fault once it comes, a game that never
+answers blocks (``textrl.games.workers`` runs games where they can be killed). A TextWorldExpress
+engine is a Java process: its calls are cut at ``step_timeout`` and a faulted engine is shut down,
+never reused.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +32,7 @@ from pathlib import Path
 import textworld
 
 from textrl.errors import GameFileError
-from textrl.games.express import borrow_engine, read_descriptor, return_engine
+from textrl.games.express import borrow_engine, read_descriptor, return_engine, shut_down
 
 REQUEST_INFOS = textworld.EnvInfos(
     objective=True, description=True, inventory=True, admissible_commands=True,
@@ -29,6 +42,20 @@ REQUEST_INFOS = textworld.EnvInfos(
 
 class InvalidCommandError(ValueError):
     """A command that is not in the current admissible set."""
+
+
+class GameFault(GameFileError):
+    """A game whose engine raised, answered later than ``env.step_timeout`` or died (its worker
+    process, its Java engine): a rollout aborts its episode and goes on; elsewhere (a CLI playing
+    one game) it is the game file its engine could not play. ``detail``: the engine's own
+    traceback, where there is one."""
+
+    def __init__(self, game_file: str, reason: str, detail: str = ""):
+        super().__init__(game_file, reason, detail)  # the args pickle: faults travel back from step workers
+        self.game_file, self.reason, self.detail = game_file, reason, detail
+
+    def __str__(self) -> str:
+        return f"{self.game_file}: {self.reason}"
 
 
 @dataclass
@@ -121,7 +148,8 @@ class Game:
     """
 
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
-                 win_bonus: float = 1.0, history_len: int = 8, loss_penalty: float = 1.0):
+                 win_bonus: float = 1.0, history_len: int = 8, loss_penalty: float = 1.0, *,
+                 step_timeout: float | None = None):
         game_file = Path(game_file)
         check_game_file(game_file)
         if max_steps < 1:
@@ -134,6 +162,8 @@ class Game:
         self.win_bonus = win_bonus
         self.loss_penalty = loss_penalty
         self.history_len = history_len
+        self.step_timeout = step_timeout  # seconds an engine call may take (None: unbounded)
+        self.fault: GameFault | None = None  # the engine's last fault: it is not reused
         self.history: list[Turn] = []
         self.observation: Observation | None = None
         self.steps = 0
@@ -142,8 +172,9 @@ class Game:
 
     @classmethod
     def for_env(cls, game_file: str | Path, env) -> Game:
-        """The game with an EnvConfig's step limit, rewards and history length."""
-        return cls(game_file, env.max_steps, env.step_penalty, env.win_bonus, env.history_len, env.loss_penalty)
+        """The game with an EnvConfig's step limit, rewards, history length and step timeout."""
+        return cls(game_file, env.max_steps, env.step_penalty, env.win_bonus, env.history_len, env.loss_penalty,
+                   step_timeout=env.step_timeout)
 
     # ---- the engine ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -159,9 +190,26 @@ class Game:
     def close(self) -> None:
         raise NotImplementedError
 
+    def _call(self, what: str, engine_call, *args):
+        """``engine_call(*args)``; its exception, or an answer later than ``step_timeout``, raised as
+        the game's ``GameFault`` (kept in ``fault``) with the engine's traceback."""
+        start = time.perf_counter()
+        try:
+            answer = engine_call(*args)
+        except Exception as exc:
+            self.fault = GameFault(str(self.game_file), f"{what} raised {type(exc).__name__}: {exc}",
+                                   traceback.format_exc())
+            raise self.fault from exc
+        took = time.perf_counter() - start
+        if self.step_timeout is not None and took > self.step_timeout:
+            self.fault = GameFault(str(self.game_file), f"{what} answered after {took:.1f} s, more than "
+                                   f"env.step_timeout={self.step_timeout:g} s")
+            raise self.fault
+        return answer
+
     # ---- the episode -----------------------------------------------------------------------
     def reset(self) -> Observation:
-        self.observation, walkthrough = self._reset()
+        self.observation, walkthrough = self._call("reset", self._reset)
         self.walkthrough = list(walkthrough)
         self.history.clear()
         self.steps = 0
@@ -171,12 +219,12 @@ class Game:
         obs = self.observation
         if obs is None:
             raise RuntimeError("call reset() before step()")
-        if obs.won or obs.lost or self.steps >= self.max_steps:
+        if obs.won or obs.lost or self.steps >= self.max_steps or not obs.admissible_commands:
             raise RuntimeError("the episode is over; call reset() to start again")
         if command not in obs.admissible_commands:
             raise InvalidCommandError(
                 f"{command!r} is not admissible here; admissible commands: {obs.admissible_commands}")
-        new = self._step(command)
+        new = self._call(f"step {self.steps + 1} ({command!r})", self._step, command)
         self.steps += 1
         self.history.append(Turn(obs, command))
         if len(self.history) > self.history_len:
@@ -184,7 +232,7 @@ class Game:
         self.observation = new
         reward = ((new.score - obs.score) + (self.win_bonus if new.won else 0.0)
                   - (self.loss_penalty if new.lost else 0.0) - self.step_penalty)
-        terminated = new.won or new.lost
+        terminated = new.won or new.lost or not new.admissible_commands  # no command: nothing can follow
         truncated = not terminated and self.steps >= self.max_steps
         return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})
 
@@ -234,7 +282,7 @@ class ExpressGame(Game):
 
     def _start(self) -> None:
         self._spec = read_descriptor(self.game_file)
-        self._env = borrow_engine()
+        self._env = borrow_engine(self.step_timeout)
 
     def _observe(self, infos: dict, feedback: str) -> Observation:
         return Observation(
@@ -265,7 +313,8 @@ class ExpressGame(Game):
 
     def close(self) -> None:
         if self._env is not None:
-            return_engine(self._env)
+            # a faulted engine (dead, stuck, or in a state nobody knows) is never reused
+            (shut_down if self.fault is not None else return_engine)(self._env)
             self._env = None
 
 

@@ -9,8 +9,11 @@ so every layer above the environment (pool, datamodule, rollout, transcripts, ``
 ``eval`` split the dev fold (the test fold stays unused, for a final check). The score is TWX's
 normalized score (1 when the task is done), so a winning episode gains 1 point plus the win bonus.
 
-Each engine is a Java process (about 0.3 s to start): engines are kept after a game closes and
-reused by the next one; each ends with the Python process (py4j's ``die_on_exit``).
+Each engine is a Java process (about 0.3 s to start): up to ``IDLE_ENGINES`` are kept after their
+games close and reused by the next ones (more games open at once start more, shut down when they
+close); the kept ones end with the Python process (py4j's ``die_on_exit``). A game's calls into its
+engine are cut after its step timeout (a socket timeout: the engine never answers otherwise); an
+engine that died, or faulted, is shut down, never put back.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ JAVA_MISSING = ("TextWorldExpress runs its game engine in Java, and no `java` is
                 "runtime (11 or newer), e.g. `sudo apt-get install -y default-jre-headless` (Debian/Ubuntu), "
                 "`brew install openjdk` (macOS) or `conda install -c conda-forge openjdk`, then run again.")
 
+IDLE_ENGINES = 16  # engines kept for the next games: a rollout's or an evaluation batch's (16 by default)
 _idle: list = []  # started engines no game is using (each closes itself when garbage-collected)
 logging.getLogger("py4j").setLevel(logging.WARNING)  # py4j announces every engine's sockets at INFO
 
@@ -37,18 +41,52 @@ def java_available() -> bool:
     return shutil.which("java") is not None
 
 
-def borrow_engine():
-    """An idle engine, or a new one; give it back with ``return_engine`` when its game closes."""
-    if _idle:
-        return _idle.pop()
+def borrow_engine(timeout: float | None = None):
+    """An idle engine, or a new one, whose calls fail after ``timeout`` seconds without an answer
+    (None: wait); give it back with ``return_engine`` when its game closes."""
+    while _idle:
+        engine = _idle.pop()
+        if running(engine):
+            return set_timeout(engine, timeout)
+        shut_down(engine)  # died while idle
     if not java_available():
         raise GameFileError(JAVA_MISSING)
     # the step limit is textrl's (Game.max_steps); the engine's own one must never cut in first
-    return TextWorldExpressEnv(envStepLimit=10**9)
+    return set_timeout(TextWorldExpressEnv(envStepLimit=10**9), timeout)
 
 
 def return_engine(engine) -> None:
-    _idle.append(engine)
+    """Keep a running engine for the next game, while the idle pool has room; shut it down otherwise."""
+    if running(engine) and len(_idle) < IDLE_ENGINES:
+        _idle.append(engine)
+    else:
+        shut_down(engine)
+
+
+def running(engine) -> bool:
+    return engine._gateway.java_process.poll() is None
+
+
+def set_timeout(engine, timeout: float | None):
+    """py4j reads each answer from a socket: a timeout on it bounds every call (and ends it with a
+    py4j error, never a retry); connections already open get it too."""
+    client = engine._gateway._gateway_client
+    client.gateway_parameters.read_timeout = timeout
+    for connection in list(client.deque):
+        connection.socket.settimeout(timeout)
+    return engine
+
+
+def shut_down(engine) -> None:
+    """End an engine's Java process (dead, stuck or healthy: killed, it holds nothing to save), its
+    sockets and its Python callback server."""
+    gateway = engine._gateway
+    if gateway.java_process.poll() is None:
+        gateway.java_process.kill()
+    gateway.java_process.wait()
+    gateway._gateway_client.close()
+    gateway._gateway_client.is_connected = False  # TWX's own close() (at garbage collection) then sends nothing
+    gateway.shutdown_callback_server()
 
 
 def params_text(settings: dict) -> str:

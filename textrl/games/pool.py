@@ -7,6 +7,10 @@ matching ``ok.json`` is a truncated or corrupt entry and is regenerated. A seed 
 generate or compile gets a ``failed.txt`` with the error, is skipped with a warning, and the pool
 moves on to the next seed so it still reaches the requested size.
 
+Runs may share a cache: each entry is checked and made under a file lock (``<seed>.lock`` beside it),
+an entry appears by one rename, and a valid entry is never deleted. An ``OSError`` while making one
+(disk full, permissions) raises ``GameCacheError``: it is not the seed's fault, so nothing is recorded.
+
 Training and evaluation seeds are disjoint ranges: train seeds are ``[0, EVAL_SEED_BASE)`` and
 evaluation seeds start at ``EVAL_SEED_BASE``.
 """
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import textworld
+from filelock import FileLock
 from textworld_express.version import __version__ as TWX_VERSION
 
 from textrl.config import EnvConfig, TrainConfig, default_cache_dir, load_env_config
@@ -171,25 +176,68 @@ def is_valid_entry(entry: Path, files: tuple[str, ...] = GAME_FILES) -> bool:
         return False
 
 
+class GameCacheError(OSError):
+    """The game cache could not be written or read (disk full, permissions): an error of the machine,
+    not of a seed, so no seed is marked as failed."""
+
+
 def _generate(spec: GameSpec, seed: int, entry: Path, express_seed: int | None = None) -> str | None:
-    """Worker: generate and compile one game into ``entry`` (a TextWorldExpress game: write its
-    descriptor, with the engine's ``express_seed``). Returns an error text or None."""
+    """Worker: make the game of ``seed`` into ``entry`` unless another run has (a TextWorldExpress
+    game: its descriptor, with the engine's ``express_seed``). Returns None, or the error text of a
+    seed that cannot be made (recorded in ``failed.txt``); raises GameCacheError on an OSError."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        # another run may be making this entry: wait for it, then look again under the lock
+        with FileLock(entry.parent / f"{entry.name}.lock"):
+            if is_valid_entry(entry, spec.files):
+                return None
+            if (entry / "failed.txt").is_file():
+                return (entry / "failed.txt").read_text()
+            return _make_entry(spec, seed, entry, express_seed)
+    except OSError as exc:
+        raise GameCacheError(f"cannot make the game cache entry {entry} ({type(exc).__name__}: {exc}); "
+                             f"seed {seed} is not marked as failed (the machine's fault, not the seed's): fix "
+                             f"the cause (disk space, permissions of {entry.parent}), then run again") from exc
+
+
+def _make_entry(spec: GameSpec, seed: int, entry: Path, express_seed: int | None) -> str | None:
+    """Under the entry's lock: generate into a temporary folder, then rename it over the (invalid or
+    missing) entry, a game or a ``failed.txt`` alike. Returns what ``_generate`` returns."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{seed}-", dir=entry.parent))
+    try:
+        error = _make_game(spec, seed, tmp, express_seed)
+        if error is None:
+            manifest = {name: _sha256(tmp / name) for name in spec.files}
+            (tmp / "ok.json").write_text(json.dumps(manifest))
+        else:
+            shutil.rmtree(tmp)
+            tmp.mkdir()
+            (tmp / "failed.txt").write_text(error)
+        if entry.exists():  # invalid: a valid one was returned under the lock
+            shutil.rmtree(entry)
+        os.replace(tmp, entry)  # atomic: readers see a whole entry or none
+        return error
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; left by an error before it
+
+
+def _make_game(spec: GameSpec, seed: int, folder: Path, express_seed: int | None) -> str | None:
+    """Generate and compile one game into ``folder``. Returns None, or the error text of a seed that
+    cannot be made; an OSError is raised (the machine's fault, not the seed's)."""
     # slow imports (the generator, the families): only generating games needs them
     from textworld.challenges import CHALLENGES as REGISTERED
     from textworld.generator import compile_game, make_game
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{seed}-", dir=entry.parent))
     try:
         options = textworld.GameOptions()
         options.seeds = seed
-        options.path = str(tmp / "game.z8")
+        options.path = str(folder / "game.z8")
         options.force_recompile = True
         if spec.game in EXPRESS:
             split = "train" if seed < EVAL_SEED_BASE else "eval"
             if express_seed is None:
                 raise ValueError(f"TextWorldExpress's fold for textrl's {split} split has no game left for seed {seed}")
-            express.write_descriptor(tmp / "game.twx", spec.game.removeprefix("twx-"), dict(spec.settings), split,
+            express.write_descriptor(folder / "game.twx", spec.game.removeprefix("twx-"), dict(spec.settings), split,
                                      express_seed)
         else:
             if spec.game == "textworld":
@@ -199,18 +247,10 @@ def _generate(spec: GameSpec, seed: int, entry: Path, express_seed: int | None =
             else:
                 game = REGISTERED[spec.game][1](dict(spec.settings), options)
             compile_game(game, options)
-        manifest = {name: _sha256(tmp / name) for name in spec.files}
-        (tmp / "ok.json").write_text(json.dumps(manifest))
-        if entry.exists():
-            shutil.rmtree(entry)
-        os.replace(tmp, entry)  # atomic: readers see a whole entry or none
         return None
+    except OSError:
+        raise
     except Exception as exc:  # TextWorld raises many kinds; any of them means "skip this seed"
-        shutil.rmtree(tmp, ignore_errors=True)
-        if entry.is_dir():
-            shutil.rmtree(entry)
-        entry.mkdir(parents=True)
-        (entry / "failed.txt").write_text(f"{type(exc).__name__}: {exc}")
         return f"{type(exc).__name__}: {exc}"
 
 
@@ -229,7 +269,7 @@ class GamePool:
         self.spec = spec
         self.root = Path(cache_dir or default_cache_dir()) / "games" / spec.key
         self.workers = workers
-        self.generated = 0  # games generated (not loaded from cache) by this pool, for tests and benchmarks
+        self.generated = 0  # games not in the cache when asked (made here or by a run beside it), for tests
         self._fold_seeds: dict[str, list[int]] = {}  # TextWorldExpress: the engine's seeds of each fold
 
     def entry(self, seed: int) -> Path:

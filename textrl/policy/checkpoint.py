@@ -4,18 +4,22 @@ trained policy (textrl-eval, textrl-play, textrl-export).
 A checkpoint holds what training changes. With LoRA the frozen base weights are left out; with
 ``model.trainable_layers`` the frozen lower blocks and embeddings are too, and come back from the
 model config when the policy is built, checked against the SHA-256 of the frozen weights the run
-trained on (``frozen_fingerprint``), so a different base model is refused instead of mixed in."""
+trained on (``frozen_fingerprint``), so a different base model is refused instead of mixed in.
+
+A checkpoint is data, never instructions: it is read without unpickling code (``load``), and what
+is built from it takes no location from it (``checkpoint_config``)."""
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from textrl.config import TrainConfig, load_env_config
+from textrl.config import CONF_DIR, MemoryConfig, ModelConfig, TrainConfig, load_env_config, load_model_config
 from textrl.policy.model import PolicyValueModel, build_policy
 
 
@@ -52,7 +56,9 @@ def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, 
     return ckpt, state
 
 
-def checkpoint_config(state: dict) -> TrainConfig:
+def stored_config(state: dict) -> TrainConfig:
+    """The training config a checkpoint holds, as it was written (older keys read as today's): data
+    to compare and show. What builds a model or games from a checkpoint uses ``checkpoint_config``."""
     saved = OmegaConf.create(state["textrl"]["config"])
     env = saved.get("env", {})
     if "difficulty" in env:
@@ -63,6 +69,89 @@ def checkpoint_config(state: dict) -> TrainConfig:
         for key in ("name", "game", "rooms", "objects", "quest_length", "theme"):
             env[key] = getattr(preset, key)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
+
+
+# what a checkpoint's model settings decide: the shape and initialisation of the weights it holds
+WEIGHT_SETTINGS = ("trainable_layers", "value_hidden", "detach_value", "init_seed", "architecture")
+# where a model's files come from: the model option's, or a directory the user gives
+MODEL_LOCATIONS = ("source", "hub_id", "path", "gguf_package", "gguf_file", "tokenizer_from")
+
+
+def model_options() -> list[str]:
+    """The ``model`` group's options (conf/model/*.yaml)."""
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def checkpoint_config(state: dict, model_path: str | Path | None = None, origin: str = "the checkpoint") -> TrainConfig:
+    """The config that a checkpoint's policy and games are built from, in which nothing read from the
+    checkpoint decides where files are read, written, deleted or run: the model is the ``model``
+    option the checkpoint names (conf/model/<name>.yaml, looked up by name) with the checkpoint's
+    weight settings (``WEIGHT_SETTINGS``), or the model directory ``model_path`` that the user gives;
+    cache and run locations are cleared (the user's own apply); env names and settings, which name
+    cache and output folders, must be plain names. ``origin`` names the checkpoint in errors."""
+    cfg = stored_config(state)
+    cfg.model = _model_of(state["textrl"]["config"].get("model") or {}, cfg.model, model_path, origin)
+    cfg.cache_dir = cfg.ckpt_path = None
+    cfg.output_dir = ""
+    _check_plain_names(cfg, origin)
+    return cfg
+
+
+def _model_of(stored: dict, saved: ModelConfig, model_path: str | Path | None, origin: str) -> ModelConfig:
+    weights = {key: getattr(saved, key) for key in WEIGHT_SETTINGS}
+    known = saved.name in model_options()
+    if model_path is not None:  # the user's directory: a Hugging Face model folder
+        base = load_model_config(saved.name) if known else ModelConfig(name="custom")
+        return replace(base, **weights, source="hub", path=str(model_path), hub_id=None, gguf_package=None,
+                       gguf_file=None)
+    if not known:
+        raise CheckpointError(f"{origin} names model.name={saved.name!r}, which is not a model option "
+                              f"({', '.join(model_options())}): a checkpoint's model is built from its model option, "
+                              f"never from a location it names; give the model's directory yourself (model_path)")
+    option = load_model_config(saved.name)
+    # keys an older checkpoint lacks are not differences; a random init of the option's architecture is its own
+    moved = [key for key in MODEL_LOCATIONS if key in stored and stored[key] != getattr(option, key)
+             and not (key == "source" and stored[key] == "random")]
+    if moved:
+        raise CheckpointError(f"{origin} was trained on model={saved.name} with "
+                              f"{', '.join(f'model.{k}={stored[k]}' for k in moved)} (the option has "
+                              f"{', '.join(f'{k}={getattr(option, k)}' for k in moved)}): textrl takes no model location "
+                              f"from a checkpoint; give the model's directory yourself (model_path)")
+    return replace(option, **weights, source=saved.source)
+
+
+def _check_plain_names(cfg: TrainConfig, origin: str) -> None:
+    """The game cache folder (``textrl.games.pool.GameSpec.key``) and textrl-eval's output folder
+    are named after the env's name, game, theme and settings: from a checkpoint, no path in them."""
+    e = cfg.env
+    named = [("env.name", e.name), ("env.game", e.game), ("env.theme", e.theme),
+             *((f"env.settings.{k}", k) for k in e.settings), *((f"env.settings.{k}", v) for k, v in e.settings.items()),
+             *(("curriculum.stages", stage) for stage in cfg.curriculum.stages)]
+    for key, value in named:
+        text = str(value)
+        if any(c in text for c in "/\\\0") or text in {".", ".."}:
+            raise CheckpointError(f"{origin} has {key}={text!r}: a name, not a path, was expected there")
+
+
+def check_same_model(cfg: TrainConfig, state: dict, origin: str, advice: str) -> None:
+    """A checkpoint that a run loads weights from (``model.init_from``, ``ckpt_path``) must hold a
+    policy of the run's model and LoRA setting: another fails here, before anything is built,
+    saying what each one is, then ``advice``."""
+    source = stored_config(state)
+    mine, theirs = cfg.model, source.model
+    if _identity(mine, cfg.memory) != _identity(theirs, source.memory):
+        raise CheckpointError(
+            f"{origin} holds a policy of model={theirs.name} (source {theirs.source}, LoRA {_lora(source.memory)}); "
+            f"this run uses model={mine.name} (source {mine.source}, LoRA {_lora(cfg.memory)}). {advice}")
+
+
+def _identity(model: ModelConfig, memory: MemoryConfig) -> tuple:
+    lora = (memory.lora_r, memory.lora_alpha, memory.lora_targets) if memory.lora else ()
+    return model.name, model.source, model.architecture, memory.lora, *lora
+
+
+def _lora(memory: MemoryConfig) -> str:
+    return f"r={memory.lora_r} alpha={memory.lora_alpha}" if memory.lora else "off"
 
 
 def leaves_frozen_weights_out(cfg: TrainConfig) -> bool:
@@ -116,13 +205,14 @@ def load_policy_weights(policy: PolicyValueModel, state: dict, lora: bool, origi
         check_frozen(state, frozen_fingerprint(policy), origin)
 
 
-def load_checkpoint_policy(path: str | Path, option: str = "checkpoint",
-                           cache_dir: str | None = None) -> tuple[PolicyValueModel, object, TrainConfig]:
+def load_checkpoint_policy(path: str | Path, option: str = "checkpoint", cache_dir: str | None = None,
+                           model_path: str | Path | None = None) -> tuple[PolicyValueModel, object, TrainConfig]:
     """The policy (with any LoRA adapters), tokenizer and training config stored in a checkpoint.
     Models are found or converted under ``cache_dir`` (the user's; None: the default cache), never
-    the directory the checkpoint names: nothing read from a checkpoint decides where files go."""
+    the directory the checkpoint names: nothing read from a checkpoint decides where files go
+    (``checkpoint_config``). ``model_path``: the model's directory, for a checkpoint trained from one."""
     _, state = read_checkpoint(path, option)
-    cfg = checkpoint_config(state)
+    cfg = checkpoint_config(state, model_path, f"{option}={path}")
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cache_dir, cfg.memory)
     load_policy_weights(policy, state, cfg.memory.lora, f"{option}={path}")
     return policy, tokenizer, cfg

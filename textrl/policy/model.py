@@ -22,6 +22,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+from filelock import FileLock
 from huggingface_hub import constants as hub_constants
 from torch import nn
 
@@ -53,13 +54,35 @@ def _gguf_dir(cfg: ModelConfig) -> tuple[Path, str]:
     return folder, cfg.gguf_file
 
 
+def _is_converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def conversion_lock(target: Path) -> FileLock:
+    """The file lock (``<name>.lock`` beside the converted copy) that runs sharing a models cache
+    hold while they check and convert into ``target``."""
+    return FileLock(target.parent / f"{target.name}.lock")
+
+
 def _converted_gguf(cfg: ModelConfig, cache_dir: str | Path | None) -> Path:
-    """The safetensors copy of a GGUF model, converting (about 30 s) on first use."""
+    """The safetensors copy of a GGUF model, converting (about 30 s) on first use.
+
+    Runs sharing the cache convert one at a time, under ``conversion_lock``; a run that waited finds
+    the other's copy. The copy appears by one rename, and a complete copy is never deleted."""
+    target = model_cache_dir(cache_dir) / cfg.name
+    if _is_converted(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with conversion_lock(target):
+        if not _is_converted(target):
+            _convert_gguf(cfg, target)
+    return target
+
+
+def _convert_gguf(cfg: ModelConfig, target: Path) -> None:
+    """Under the lock: de-quantise the GGUF file into a temporary folder, renamed over ``target``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # slow import: only loading a model needs it
 
-    target = model_cache_dir(cache_dir) / cfg.name
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
     folder, file = _gguf_dir(cfg)
     log.info("converting %s to safetensors in %s (once)", folder / file, target)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=file)
@@ -71,14 +94,15 @@ def _converted_gguf(cfg: ModelConfig, cache_dir: str | Path | None) -> Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(quantized.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.name}-", dir=target.parent))
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)  # atomic: an interrupted conversion leaves no half-written model
-    return target
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():  # incomplete: a complete copy was returned under the lock
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # atomic: an interrupted conversion leaves no half-written model
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; left by an error before it
 
 
 def _hub_location(cfg: ModelConfig) -> str:

@@ -11,7 +11,8 @@ It is a plain object: the LightningModule hands it Lightning's backward and cros
 
 from __future__ import annotations
 
-import random
+import logging
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Callable
 import torch
 
 from textrl.config import PPOConfig
+from textrl.errors import NonFiniteError
 from textrl.policy.distribution import fork_logprobs
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
@@ -28,15 +30,12 @@ from textrl.ppo.advantages import rollout_advantages
 from textrl.ppo.losses import DecisionBatch, LossCoefs, PPOTerms, correlation, explained_variance, ppo_loss
 from textrl.ppo.sequences import (ForkOutputs, PrefixOutputs, RolloutDecisions, TrainingSequence, decision_forward,
                                   decision_indices, optimizer_steps, training_sequences)
-from textrl.rollout import Episode
+from textrl.rollout import Episode, iteration_rng
+
+log = logging.getLogger(__name__)
 
 Minibatch = list[TrainingSequence]
-Step = list[Minibatch]  # the minibatches one optimizer step accumulates
-
-
-def iteration_rng(seed: int, iteration: int) -> random.Random:
-    """Game order and minibatch order depend only on (seed, iteration): a resumed run repeats them."""
-    return random.Random(seed * 1_000_003 + iteration)
+OptimizerStep = list[Minibatch]  # the minibatches one optimizer step accumulates
 
 
 @dataclass
@@ -48,8 +47,9 @@ class Runtime:
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
     all_reduce: Callable[[torch.Tensor, str], torch.Tensor] = lambda tensor, op: tensor  # op: "sum" | "max"
     world_size: Callable[[], int] = lambda: 1
-    # fp16 loss scaling: gradients are still multiplied by the scale when they are clipped
-    loss_scale: Callable[[], float] = lambda: 1.0
+    # fp16 loss scaling: gradients are still multiplied by the scale when they are clipped, and the
+    # scaler skips steps with non-finite gradients itself; None without a scaler
+    loss_scale: Callable[[], float | None] = lambda: None
 
 
 @dataclass
@@ -70,7 +70,7 @@ class IterationData:
     """One iteration's training data, ready for the optimizer steps (``PPOUpdate.prepare``)."""
 
     rollout: RolloutDecisions
-    steps: list[Step]  # every pass's optimizer steps, in order
+    steps: list[OptimizerStep]  # every pass's optimizer steps, in order
     targets: Targets
     prefix: PrefixOutputs | None  # the frozen blocks' recorded outputs (ppo.cache_frozen)
 
@@ -93,19 +93,18 @@ class IterationStats:
     tokens: int = 0  # real tokens the update's forwards fed
     seconds: dict[str, float] = field(default_factory=dict)  # recompute, reference, update
 
-    def add(self, terms: PPOTerms, fed: int) -> None:
-        """A minibatch's loss terms, and the tokens its forward fed."""
-        for key in ("policy", "value", "entropy", "approx_kl", "clipped", "ratio", "kl_ref"):
-            self.sums[key] += float(getattr(terms, key))
-        self.sums["decisions"] += terms.log_ratio.numel()
-        self.tokens += fed
-        if self.first_logratio is None:
-            self.first_logratio = terms.log_ratio.abs()
-
-    def add_step(self, lm_grad_norm: float, value_grad_norm: float) -> None:
-        """An optimizer step's gradient norms (before clipping)."""
-        self.sums["grad_norm"] += lm_grad_norm
-        self.sums["grad_norm_value"] += value_grad_norm
+    def add_step(self, minibatches: list[tuple[PPOTerms, int]], norms: tuple[float, float]) -> None:
+        """A taken optimizer step: its minibatches' loss terms and the tokens their forwards fed, and
+        its gradient norms (before clipping)."""
+        for terms, fed in minibatches:
+            for key in ("policy", "value", "entropy", "approx_kl", "clipped", "ratio", "kl_ref"):
+                self.sums[key] += float(getattr(terms, key))
+            self.sums["decisions"] += terms.log_ratio.numel()
+            self.tokens += fed
+            if self.first_logratio is None:
+                self.first_logratio = terms.log_ratio.abs()
+        self.sums["grad_norm"] += norms[0]
+        self.sums["grad_norm_value"] += norms[1]
         self.sums["steps"] += 1
 
     def metrics(self) -> dict[str, float]:
@@ -119,6 +118,7 @@ class IterationStats:
             "policy/ratio_mean": s["ratio"] / n,
             "policy/first_logratio_max": float(first.max()), "policy/first_logratio_mean": float(first.mean()),
             "optim/grad_norm": s["grad_norm"] / steps, "optim/grad_norm_value": s["grad_norm_value"] / steps,
+            "optim/skipped_steps": s["skipped_steps"],
             "perf/update_s": self.seconds["update"], "perf/update_tokens": float(self.tokens),
             "perf/tokens_per_s": self.tokens / max(self.seconds["update"], 1e-9),
         }
@@ -136,7 +136,7 @@ class IterationStats:
 
 
 class PPOUpdate:
-    def __init__(self, policy: PolicyValueModel, ppo: PPOConfig, pad_id: int, seed: int,
+    def __init__(self, policy: PolicyValueModel, ppo: PPOConfig, pad_id: int, seed: int, *,
                  reference: ReferencePolicy | None = None, frozen: FrozenPrefix | None = None,
                  runtime: Runtime | None = None):
         self.policy, self.ppo, self.pad_id, self.seed = policy, ppo, pad_id, seed
@@ -146,6 +146,7 @@ class PPOUpdate:
         self.uses_value = ppo.advantage == "gae"  # group baselines need no value head
         self.coefs = LossCoefs(ppo.clip, ppo.vf_coef if self.uses_value else 0.0, ppo.ent_coef, ppo.kl_coef,
                                ppo.explore)
+        self.skipped_in_a_row = 0  # optimizer steps skipped for non-finite gradients, across iterations
 
     def run(self, episodes: list[Episode], iteration: int, optimizer) -> IterationStats:
         """Update the policy on one rollout's episodes with ``optimizer`` (its two parameter groups:
@@ -155,13 +156,19 @@ class PPOUpdate:
 
         start = time.perf_counter()
         for step, normalizer in zip(data.steps, self.step_normalizers(data.steps)):
+            minibatches = []
             for minibatch in step:
                 terms, fed = self.loss(minibatch, data, normalizer)
                 self.runtime.backward(terms.loss)
-                stats.add(terms, fed)
-            stats.add_step(*self.clip_gradients(optimizer))
-            optimizer.step()
+                minibatches.append((terms, fed))
+            norms = self.clip_gradients(optimizer)
+            if self.step_is_finite(norms):
+                optimizer.step()
+                stats.add_step(minibatches, norms)
+            else:  # a non-finite loss or gradient never reaches the weights
+                stats.sums["skipped_steps"] += 1
             optimizer.zero_grad(set_to_none=True)
+        self.check_weights()
         stats.seconds["update"] = time.perf_counter() - start
         return stats
 
@@ -210,10 +217,12 @@ class PPOUpdate:
         ref = None
         if targets.ref_logprobs is not None:
             ref = targets.ref_logprobs[idx, : out.logits.shape[1]].to(device)
-        return DecisionBatch(out.logits, out.valid, out.chosen, take(targets.temperatures), take(targets.old_logprobs),
-                             take(targets.advantages), out.values, take(targets.returns), ref)
+        return DecisionBatch(logits=out.logits, valid=out.valid, chosen=out.chosen,
+                             temperatures=take(targets.temperatures), old_logprobs=take(targets.old_logprobs),
+                             advantages=take(targets.advantages), values=out.values, returns=take(targets.returns),
+                             ref_logprobs=ref)
 
-    def fork_logprobs(self, minibatch: Minibatch, temperatures: torch.Tensor,
+    def forward_logprobs(self, minibatch: Minibatch, temperatures: torch.Tensor,
                       prefix: PrefixOutputs | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """No-grad forward: each decision's log-probs over its fork's children at its temperature,
         the chosen entry's, and the values."""
@@ -223,20 +232,20 @@ class PPOUpdate:
         return logp, logp.gather(1, out.chosen[:, None]).squeeze(1), out.values
 
     @torch.no_grad()
-    def recompute_old(self, steps: list[Step], rollout: RolloutDecisions,
+    def recompute_old(self, steps: list[OptimizerStep], rollout: RolloutDecisions,
                       prefix: PrefixOutputs | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The old log-probs and values from the update's own forward, over the first pass's
         minibatches (the same shapes the first update sees): under mixed precision the rollout's
         packed calls round differently, and the first ratio would not be 1."""
         logprobs, values = rollout.logprobs.clone(), rollout.values.clone()
         for minibatch in (mb for step in steps for mb in step):
-            _, chosen, v = self.fork_logprobs(minibatch, rollout.temperatures, prefix)
+            _, chosen, v = self.forward_logprobs(minibatch, rollout.temperatures, prefix)
             idx = decision_indices(minibatch)
             logprobs[idx], values[idx] = chosen.float().cpu(), v.float().cpu()
         return logprobs, values
 
     @torch.no_grad()
-    def reference_logprobs(self, steps: list[Step], rollout: RolloutDecisions,
+    def reference_logprobs(self, steps: list[OptimizerStep], rollout: RolloutDecisions,
                            prefix: PrefixOutputs | None) -> torch.Tensor:
         """Each decision's log-probs over its fork's children under the KL anchor's reference
         policy, [decisions, widest fork] with -inf at the padding; fixed for the iteration."""
@@ -244,11 +253,36 @@ class PPOUpdate:
         ref = torch.full((rollout.count, width), float("-inf"))
         with self.reference.active(self.policy.lm):
             for minibatch in (mb for step in steps for mb in step):
-                logp, _, _ = self.fork_logprobs(minibatch, rollout.temperatures, prefix)
+                logp, _, _ = self.forward_logprobs(minibatch, rollout.temperatures, prefix)
                 ref[decision_indices(minibatch), : logp.shape[1]] = logp.float().cpu()
         return ref
 
-    def step_normalizers(self, steps: list[Step]) -> list[float]:
+    def step_is_finite(self, norms: tuple[float, float]) -> bool:
+        """Whether an optimizer step may be taken: its gradient norms (which a non-finite loss makes
+        non-finite too; after DDP's all-reduce they are the same on every rank, so all ranks decide
+        alike) are finite. Under fp16 loss scaling the scaler decides (it skips such steps and lowers
+        its scale). Too many skipped steps in a row raise ``NonFiniteError``."""
+        if self.runtime.loss_scale() is not None or all(math.isfinite(n) for n in norms):
+            self.skipped_in_a_row = 0
+            return True
+        self.skipped_in_a_row += 1
+        log.warning("optimizer step skipped: non-finite gradient norm (LM %s, value head %s)", *norms)
+        if self.skipped_in_a_row >= self.ppo.max_skipped_steps:
+            raise NonFiniteError(f"{self.skipped_in_a_row} optimizer steps in a row had a non-finite loss or "
+                                 f"gradient (ppo.max_skipped_steps={self.ppo.max_skipped_steps}); the run stops "
+                                 f"before writing a checkpoint: last.ckpt holds the last finite policy. Lower "
+                                 f"ppo.lr_lm, or train in 32-true (memory=none) to rule out precision")
+        return False
+
+    def check_weights(self) -> None:
+        """Non-finite weights never reach a checkpoint: checked once per iteration, before Lightning
+        writes one."""
+        params = [q for q in self.policy.parameters() if q.requires_grad]
+        if params and not bool(torch.stack([q.isfinite().all() for q in params]).all()):
+            raise NonFiniteError("a trainable weight is not finite after this iteration's update; the run "
+                                 "stops before writing a checkpoint: last.ckpt holds the last finite policy")
+
+    def step_normalizers(self, steps: list[OptimizerStep]) -> list[float]:
         """Per optimizer step, the number of decisions it holds over all ranks, divided by the world
         size (DDP averages the ranks' gradients): the step's gradient is then the mean over its decisions."""
         device = next(self.policy.parameters()).device
@@ -273,7 +307,7 @@ class PPOUpdate:
         ``vf_coef`` would act only through the clip. Returns both norms before clipping."""
         # fp16: gradients are still multiplied by the loss scale here (the precision plugin
         # unscales inside step()); clipping the scaled norm at max_norm * scale is the same clip
-        scale = self.runtime.loss_scale()
+        scale = self.runtime.loss_scale() or 1.0
         max_norm = self.ppo.max_grad_norm * scale
         lm, value = (group["params"] for group in optimizer.param_groups)
         return (float(torch.nn.utils.clip_grad_norm_(lm, max_norm)) / scale,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from textrl.config import EnvConfig, TrainConfig, load_env_config, training_game_count
 from textrl.games.pool import GamePool, GameSpec
-from textrl.ppo.update import iteration_rng
+from textrl.rollout import iteration_rng
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ from urllib.parse import urlparse
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from omegaconf import OmegaConf
 
 from textrl.config import TrainConfig
@@ -21,36 +23,71 @@ from textrl.transcripts import COLUMNS
 log = logging.getLogger(__name__)
 
 
+def write_csv(path: Path, fieldnames: list[str], rows: list[dict]) -> None:
+    """Write a CSV file whole: into a temporary file in the same folder, synced, then renamed over
+    ``path``, so a crash at any moment leaves the old file or the new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", newline="") as f:
+            out = csv.DictWriter(f, fieldnames=fieldnames)
+            out.writeheader()
+            out.writerows(rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if os.name == "posix":  # the rename itself reaches the disk with its folder
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+
+class _MetricsWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that it keeps the folder's ``metrics.csv`` (Lightning's deletes
+    it) and rewrites it whole, through ``write_csv``, when new columns appear."""
+
+    def _check_log_dir_exists(self) -> None:
+        pass
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        with open(self.metrics_file_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        write_csv(Path(self.metrics_file_path), fieldnames, rows)
+
+
 class ResumableCSVLogger(CSVLogger):
     """CSVLogger that keeps an existing ``metrics.csv`` (Lightning's deletes it), so a resumed run
     appends to its own history instead of starting a new one. Rows of iterations after
     ``resume_iteration`` (written by a run killed before that iteration's checkpoint) are dropped:
     the resumed run plays those iterations again. Every row is flushed as it is logged
-    (Lightning's default keeps 100 steps in memory, which a killed run would lose)."""
+    (Lightning's default keeps 100 steps in memory, which a killed run would lose). The file is
+    only ever rewritten whole (``write_csv``): a crash while rewriting it keeps the old one."""
 
     def __init__(self, *args, resume_iteration: int | None = None, **kwargs):
         super().__init__(*args, flush_logs_every_n_steps=1, **kwargs)
         self.resume_iteration = resume_iteration
 
     @property
+    @rank_zero_experiment
     def experiment(self):
         if self._experiment is not None:
             return self._experiment
-        path = Path(self.log_dir) / "metrics.csv"
-        rows, keys = [], []
+        self._fs.makedirs(self.root_dir, exist_ok=True)
+        writer = _MetricsWriter(log_dir=self.log_dir)
+        path = Path(writer.metrics_file_path)
         if path.is_file():
             with open(path, newline="") as f:
                 reader = csv.DictReader(f)
                 keys = list(reader.fieldnames or [])
                 rows = [r for r in reader if self.resume_iteration is None
                         or not r.get("iteration") or float(r["iteration"]) <= self.resume_iteration]
-        writer = super().experiment
-        if keys:
-            with open(path, "w", newline="") as f:
-                out = csv.DictWriter(f, fieldnames=keys)
-                out.writeheader()
-                out.writerows(rows)
-            writer.metrics_keys = keys
+            if keys:
+                write_csv(path, keys, rows)
+                writer.metrics_keys = keys
+        self._experiment = writer
         return writer
 
 

@@ -35,7 +35,7 @@ from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.update import PPOUpdate, Runtime
-from textrl.rollout import Episode, Player, Sampling, episode_metrics, episode_seeds, play_games
+from textrl.rollout import Episode, Player, Sampling, check_aborted, episode_metrics, episode_seeds, play_games
 from textrl.training.curriculum import Curriculum
 from textrl.training.loggers import log_transcripts
 from textrl.transcripts import transcript_rows, write_transcripts
@@ -86,9 +86,11 @@ class PPOModule(L.LightningModule):
         groups = max(cfg.env.decode_groups, 2 if cfg.env.step_workers else 1)
         self.player = Player(policy, tokenizer, [ConstrainedDecoder(policy) for _ in range(groups)],
                              autocast=self._autocast, capture=frozen)
-        self.update = PPOUpdate(policy, cfg.ppo, tokenizer.pad_token_id, cfg.seed, self.reference, frozen,
-                                Runtime(backward=self.manual_backward, all_reduce=self._all_reduce,
-                                        world_size=self._world_size, loss_scale=self._loss_scale))
+        self.update = PPOUpdate(policy, cfg.ppo, tokenizer.pad_token_id, cfg.seed, reference=self.reference,
+                                frozen=frozen, runtime=Runtime(backward=self.manual_backward,
+                                                               all_reduce=self._all_reduce,
+                                                               world_size=self._world_size,
+                                                               loss_scale=self._loss_scale))
 
     # ---- one PPO iteration ------------------------------------------------------------------
     def training_step(self, curriculum: Curriculum, batch_idx: int) -> None:
@@ -99,7 +101,8 @@ class PPOModule(L.LightningModule):
         lr_lm, lr_value = (g["lr"] for g in optimizer.param_groups)  # the rates this iteration uses
 
         sampling = Sampling(temperature, episode_seeds(self.cfg.seed, iteration, played.games), self.cfg.ppo.explore)
-        episodes, rollout = play_games(self.player, played.games, played.env, sampling)
+        episodes, rollout_stats = play_games(self.player, played.games, played.env, sampling)
+        episodes, aborted = self._completed(episodes, played.env.max_aborted, "training")  # game faults: left out
         if curriculum.records:  # stages move on the win rate of all ranks' episodes
             won = self._all_reduce(torch.tensor([sum(e.won for e in episodes), len(episodes)],
                                                 dtype=torch.float32, device=self.device), "sum")
@@ -108,13 +111,23 @@ class PPOModule(L.LightningModule):
         self.lr_schedulers().step()
 
         self.log_dict({**episode_metrics(episodes, "rollout"), "rollout/temperature": temperature,
-                       **rollout.metrics(), **stats.metrics(), **curriculum.metrics(played),
+                       **rollout_stats.metrics(), **stats.metrics(), **curriculum.metrics(played),
                        "optim/lr_lm": lr_lm, "optim/lr_value": lr_value,
                        "perf/peak_mem_gb": peak_memory_gb(self.device), "iteration": float(iteration + 1)},
                       on_step=True, on_epoch=False, sync_dist=True)  # means over ranks
         self.log("rollout/episodes", float(len(episodes)), on_step=True, on_epoch=False, sync_dist=True,
                  reduce_fx="sum")
+        self.log("rollout/aborted", float(aborted), on_step=True, on_epoch=False, sync_dist=True, reduce_fx="sum")
         self.iterations_done = iteration + 1
+
+    def _completed(self, episodes: list[Episode], max_aborted: float, what: str) -> tuple[list[Episode], int]:
+        """The episodes no game fault aborted, and how many were; more than ``max_aborted`` of all
+        ranks' episodes aborted stops the run, on every rank alike."""
+        kept = [e for e in episodes if e.aborted is None]
+        counts = self._all_reduce(torch.tensor([len(episodes) - len(kept), len(episodes)], dtype=torch.float32,
+                                               device=self.device), "sum")
+        check_aborted(*counts.tolist(), max_aborted, what)
+        return kept, len(episodes) - len(kept)
 
     # ---- what the pieces need from Lightning ------------------------------------------------
     def _autocast(self):
@@ -127,9 +140,9 @@ class PPOModule(L.LightningModule):
     def _world_size(self) -> int:
         return self._trainer.world_size if self._trainer else 1  # no Trainer: one process
 
-    def _loss_scale(self) -> float:
+    def _loss_scale(self) -> float | None:
         scaler = getattr(self._trainer.precision_plugin, "scaler", None) if self._trainer else None  # 16-mixed only
-        return float(scaler.get_scale()) if scaler is not None else 1.0
+        return float(scaler.get_scale()) if scaler is not None else None
 
     def setup(self, stage: str) -> None:
         if self.cfg.env.step_workers and self.player.workers is None:  # for fit / validate; teardown ends them
@@ -160,7 +173,8 @@ class PPOModule(L.LightningModule):
 
     def on_validation_epoch_end(self):
         iteration = self.iterations_done  # the policy after this many iterations
-        episodes, train_episodes = self._eval_episodes
+        (episodes, aborted), (train_episodes, train_aborted) = (  # game faults: left out, counted
+            self._completed(e, self.cfg.env.max_aborted, "evaluation") for e in self._eval_episodes)
         metrics = episode_metrics(episodes, "eval")
         # the first decision of a command is mostly its verb: how sure the policy is of it
         first = [s.action.decisions[0].entropy for e in episodes for s in e.steps if s.action.decisions]
@@ -175,6 +189,7 @@ class PPOModule(L.LightningModule):
         metrics["perf/eval_s"] = time.perf_counter() - self._eval_start
         self.log_dict(metrics, on_epoch=True, sync_dist=True)
         self.log("eval/games", float(len(episodes)), on_epoch=True, sync_dist=True, reduce_fx="sum")
+        self.log("eval/aborted", float(aborted + train_aborted), on_epoch=True, sync_dist=True, reduce_fx="sum")
         if self.cfg.eval.transcripts and self.trainer.is_global_zero:
             shown = episodes[: self.cfg.eval.transcripts]
             with self._trainer.precision_plugin.forward_context():  # the alternatives: one forward per step

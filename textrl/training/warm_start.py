@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from textrl.config import ConfigError, TrainConfig
+from textrl.config import TrainConfig
+from textrl.errors import ConfigError, NonFiniteError
 from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
@@ -103,6 +104,52 @@ def make_fabric(cfg: TrainConfig):
     return Fabric(accelerator="cuda" if cuda else "cpu", devices=devices, precision=cfg.memory.precision)
 
 
+def _clone_walkthroughs(policy: PolicyValueModel, sequences: list[TrainingSequence], fabric, optimizer,
+                        cfg: TrainConfig, pad_id: int) -> tuple[list[float], int]:
+    """``warm_start.steps`` optimizer steps of behaviour cloning, each on ``warm_start.batch``
+    sequences of shuffled passes; returns each step's loss and how many steps were skipped for a
+    non-finite gradient (as in the PPO update: never applied; ``ppo.max_skipped_steps`` in a row,
+    or a non-finite weight at the end, raise ``NonFiniteError``)."""
+    w, mb = cfg.warm_start, cfg.ppo.minibatch_size
+    rng = random.Random(cfg.seed)
+    order: list[int] = []
+    was_training = policy.training
+    policy.train()
+    losses, skipped, in_a_row = [], 0, 0
+    scaled = getattr(fabric.strategy.precision, "scaler", None) is not None  # 16-mixed: the scaler skips them
+    for _ in range(w.steps):
+        batch = []
+        while len(batch) < min(w.batch, len(sequences)):
+            if not order:  # shuffled passes over the walkthrough sequences
+                order = list(range(len(sequences)))
+                rng.shuffle(order)
+            batch.append(sequences[order.pop()])
+        n = sum(len(s.tokens) for s in batch)
+        total = 0.0
+        for i in range(0, len(batch), mb):
+            with fabric.autocast():
+                nll = -_decision_logprobs(policy, batch[i: i + mb], pad_id).float().sum() / n
+            fabric.backward(nll)
+            total += float(nll.detach())  # for the log only
+        norm = fabric.clip_gradients(policy, optimizer, max_norm=cfg.ppo.max_grad_norm, error_if_nonfinite=False)
+        if scaled or math.isfinite(float(norm)):
+            optimizer.step()
+            in_a_row = 0
+        else:
+            skipped, in_a_row = skipped + 1, in_a_row + 1
+            log.warning("warm start: optimizer step skipped: non-finite gradient norm %s", float(norm))
+            if in_a_row >= cfg.ppo.max_skipped_steps:
+                raise NonFiniteError(f"warm start: {in_a_row} optimizer steps in a row had a non-finite loss or "
+                                     f"gradient (ppo.max_skipped_steps={cfg.ppo.max_skipped_steps}); lower "
+                                     f"warm_start.lr")
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    policy.train(was_training)
+    if not all(bool(q.isfinite().all()) for q in policy.parameters() if q.requires_grad):
+        raise NonFiniteError("warm start: a trainable weight is not finite; lower warm_start.lr")
+    return losses, skipped
+
+
 def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[str, float]:
     """Train ``policy``'s LM on the walkthroughs of ``warm_start.games`` training games for
     ``warm_start.steps`` optimizer steps; returns the stage's figures (``warm_start/...``)."""
@@ -129,37 +176,14 @@ def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[st
     optimizer = fabric.setup_optimizers(make_optimizer(params, [], cfg.memory, w.lr, w.lr, cfg.ppo.weight_decay))
     prob_start = command_probability(policy, sequences, pad_id, fabric, turns, mb)
 
-    rng = random.Random(cfg.seed)
-    order: list[int] = []
-    was_training = policy.training
-    policy.train()
-    losses = []
-    for _ in range(w.steps):
-        batch = []
-        while len(batch) < min(w.batch, len(sequences)):
-            if not order:  # shuffled passes over the walkthrough sequences
-                order = list(range(len(sequences)))
-                rng.shuffle(order)
-            batch.append(sequences[order.pop()])
-        n = sum(len(s.tokens) for s in batch)
-        total = 0.0
-        for i in range(0, len(batch), mb):
-            with fabric.autocast():
-                nll = -_decision_logprobs(policy, batch[i: i + mb], pad_id).float().sum() / n
-            fabric.backward(nll)
-            total += float(nll.detach())  # for the log only
-        fabric.clip_gradients(policy, optimizer, max_norm=cfg.ppo.max_grad_norm, error_if_nonfinite=False)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
-    policy.train(was_training)
+    losses, skipped_steps = _clone_walkthroughs(policy, sequences, fabric, optimizer, cfg, pad_id)
     prob_end = command_probability(policy, sequences, pad_id, fabric, turns, mb)
     figures = {
         "warm_start/walkthroughs": float(len(episodes)), "warm_start/skipped": float(len(skipped)),
         "warm_start/decisions": float(len(turns)), "warm_start/loss_first": losses[0] if losses else float("nan"),
         "warm_start/loss_last": losses[-1] if losses else float("nan"),
         "warm_start/command_prob_start": prob_start, "warm_start/command_prob_end": prob_end,
-        "warm_start/seconds": time.perf_counter() - start,
+        "warm_start/skipped_steps": float(skipped_steps), "warm_start/seconds": time.perf_counter() - start,
     }
     log.info("warm start: %s", {k: round(v, 4) for k, v in figures.items()})
     return figures
