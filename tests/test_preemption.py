@@ -12,6 +12,7 @@ import time
 import lightning as L
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
 import textrl.cli.train as cli
 from tests.conftest import SMALL, config, read_metrics, table
@@ -19,13 +20,14 @@ from textrl.config import CONF_DIR
 from textrl.policy.checkpoint import load
 from textrl.training.callbacks import Interrupted
 
-# one evaluation, after the last iteration: iterations are short and alike
-COMMON = ["iterations=3", "eval.every=3", "eval.before_training=false", "eval.transcripts=0"]
+# short iterations (a few seconds), one evaluation after the last
+FAST = ["env.max_steps=3", "ppo.epochs=1", "eval.before_training=false", "eval.transcripts=0"]
+COMMON = ["iterations=3", "eval.every=3", *FAST]
 
 
 def test_sigterm_mid_iteration_saves_it_exits_non_zero_and_the_same_command_resumes(tmp_path):
-    """`python train.py` gets SIGTERM inside iteration 2: it finishes that iteration, writes its
-    last.ckpt and exits 143 (128 + SIGTERM), not 0 as if it had finished; the same command started
+    """`python train.py` gets SIGTERM as iteration 2 starts: it finishes the iteration in progress,
+    writes its last.ckpt and exits 143 (128 + SIGTERM), not 0 as if it had finished; the same command started
     again (same hydra.run.dir, no ckpt_path) resumes by itself and ends with the weights and the
     metrics of a run that was never interrupted."""
     straight = cli.train(config(tmp_path / "straight", *COMMON))
@@ -37,17 +39,17 @@ def test_sigterm_mid_iteration_saves_it_exits_non_zero_and_the_same_command_resu
         deadline = time.time() + 600
         while not last.is_file() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
-        time.sleep(1.0)  # iteration 1's checkpoint is written: into iteration 2 (seconds long)
+        time.sleep(0.2)  # iteration 1's checkpoint is written: into iteration 2 (about a second here)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=600)
     first = (tmp_path / "first.log").read_text()
     assert code == 128 + signal.SIGTERM, first[-3000:]
-    assert load(last)["textrl"]["iterations_done"] == 2  # the iteration in progress, saved whole
-    assert "stopped by SIGTERM after iteration 2 of 3" in first
+    done = load(last)["textrl"]["iterations_done"]  # the iteration in progress, saved whole
+    assert done in (1, 2) and f"stopped by SIGTERM after iteration {done} of 3" in first
 
     again = subprocess.run(command, cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resuming from {last}: 2 of 3 iterations done" in again.stdout + again.stderr
+    assert f"resuming from {last}: {done} of 3 iterations done" in again.stdout + again.stderr
     a = straight["module"].policy.state_dict()
     b = {k.removeprefix("policy."): v for k, v in load(last)["state_dict"].items() if k.startswith("policy.")}
     assert load(last)["textrl"]["iterations_done"] == 3 and set(a) == set(b)
@@ -67,15 +69,24 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2], ids=lambda s: s.name)
+def test_a_stop_signal_mid_iteration_stops_the_run_after_that_iterations_checkpoint(tmp_path, signum):
+    """Lightning's SIGTERM rule, and SIGUSR1/SIGUSR2 (Lightning's and submitit's requeue signals,
+    where no launcher handles them), sent as iteration 1's rollout starts."""
+    name = signal.Signals(signum).name
+    with pytest.raises(Interrupted, match=f"stopped by {name} after iteration 1 of 2; .*last.ckpt holds it"):
+        cli.train(config(tmp_path, "iterations=2", "eval.every=2", *FAST), callbacks=[SignalAt(signum, 1)])
+    assert load(tmp_path / "checkpoints" / "last.ckpt")["textrl"]["iterations_done"] == 1
+    assert signal.getsignal(signum) is signal.SIG_DFL  # handled for as long as the run lasts
+
+
 def test_a_run_started_again_in_its_directory_resumes_and_a_finished_one_has_nothing_to_do(tmp_path, caplog):
-    """SIGUSR2 (submitit's requeue signal, where no launcher handles it) mid-iteration stops the run
-    after that iteration; started again in the same directory the run resumes instead of starting
-    over (one row per iteration in metrics.csv); started once more, finished, it changes nothing;
-    resume=false starts over."""
-    common = ["iterations=2", "eval.every=2", "eval.before_training=false", "eval.transcripts=0"]
+    """Stopped by a signal after iteration 1, then started again in the same directory: the run
+    resumes instead of starting over (one row per iteration in metrics.csv); started once more,
+    finished, it changes nothing; resume=false starts over."""
+    common = ["iterations=2", "eval.every=2", *FAST]
     with pytest.raises(Interrupted, match="stopped by SIGUSR2 after iteration 1 of 2"):
         cli.train(config(tmp_path, *common), callbacks=[SignalAt(signal.SIGUSR2, 1)])
-    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the handler lasts as long as the run
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert load(last)["textrl"]["iterations_done"] == 1
 
@@ -97,3 +108,14 @@ def test_a_run_started_again_in_its_directory_resumes_and_a_finished_one_has_not
         cli.train(config(tmp_path, "iterations=1", *common[1:], "resume=false"))
     assert "resume=false: starting over" in caplog.text
     assert load(last)["textrl"]["iterations_done"] == 1
+
+
+def test_slurm_jobs_that_reach_their_time_limit_are_requeued_and_resume():
+    """sweep=slurm: submitit requeues a job on SIGUSR2 before its time limit (the requeued job then
+    resumes from its run directory's last.ckpt), which max_num_timeout=0 refused."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["sweep=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.max_num_timeout >= 1 and 0 < launcher.signal_delay_s < launcher.timeout_min * 60
+    assert cfg.resume is True

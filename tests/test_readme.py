@@ -264,3 +264,20 @@ def test_docs_gpu_cites_functions_that_exist(path, name):
     # docs/gpu.md names code as file.py::function (never line numbers): each must still be there
     assert (ROOT / path).is_file(), f"docs/gpu.md cites {path}, which does not exist"
     assert _defines(ROOT / path, name), f"docs/gpu.md cites {path}::{name}, which {path} does not define"
+
+
+def test_every_test_the_readme_cites_exists():
+    """The README's tables name the tests that pin its promises (`tests/file.py::test_name`, or
+    `::test_name` after a file in the same cell): each must exist, so a renamed test fails here."""
+    cited = []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        current = None
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", line):
+            current = path or current
+            if current:
+                cited.append((current, name))
+    assert len(cited) >= 20
+    for path, name in cited:
+        assert (ROOT / path).is_file(), path
+        if name:
+            assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{path}::{name}"

@@ -60,11 +60,18 @@ def mean_interval(values: list[float]) -> list[float]:
 
 
 def summarize(episodes: list[Episode]) -> dict:
+    """Win rate, steps and return over the played episodes; an episode a game fault aborted
+    (``Episode.aborted``) is counted apart, not as a loss."""
+    aborted = [e for e in episodes if e.aborted is not None]
+    episodes = [e for e in episodes if e.aborted is None]
+    if not episodes:
+        raise ValueError(f"all {len(aborted)} games were aborted by game faults (see the log)")
     wins = sum(e.won for e in episodes)
     steps = [float(e.length) for e in episodes]
     returns = [e.total_return for e in episodes]
     return {
         "games": len(episodes),
+        "aborted": [{"game": game_name(e.game), "reason": e.aborted} for e in aborted],
         "win_rate": {"mean": wins / len(episodes), "ci95": wilson_interval(wins, len(episodes))},
         "steps": {"mean": statistics.fmean(steps), "ci95": mean_interval(steps)},
         "return": {"mean": statistics.fmean(returns), "ci95": mean_interval(returns)},

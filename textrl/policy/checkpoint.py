@@ -117,7 +117,7 @@ def _model_of(stored: dict, saved: ModelConfig, model_path: str | Path | None, o
                               f"{', '.join(f'model.{k}={stored[k]}' for k in moved)} (the option has "
                               f"{', '.join(f'{k}={getattr(option, k)}' for k in moved)}): textrl takes no model location "
                               f"from a checkpoint; give the model's directory yourself (model_path)")
-    return replace(option, **weights, source=saved.source)
+    return replace(option, **weights, source=stored.get("source", option.source))
 
 
 def _check_plain_names(cfg: TrainConfig, origin: str) -> None:

@@ -124,6 +124,9 @@ class Curriculum:
         return {"stage": self.stage, "stage_win_rates": self.stage_win_rates, "lost": self.lost}
 
     def load_state_dict(self, state: dict) -> None:
-        self.stage, self.stage_win_rates, self.lost = state["stage"], state["stage_win_rates"], state["lost"]
-        if self.cfg.curriculum.stages:
-            self.train_games = self._train_pool(self.env)
+        self.stage, self.stage_win_rates = state["stage"], state["stage_win_rates"]
+        if self.cfg.curriculum.stages or not self.train_games:
+            self.load()  # the stage's training games
+        # only games of this run's own pool are replayed: a checkpoint names no files to open
+        pool = {str(g) for g in self.train_games}
+        self.lost = [g for g in state["lost"] if g in pool]
