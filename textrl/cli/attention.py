@@ -83,11 +83,11 @@ def eager(model_cfg):
     return replace(model_cfg, attn_implementation="eager")
 
 
-def load_models(checkpoint: str, base: str | None, cache_dir: str | None = None):
+def load_models(checkpoint: str, base: str | None, cache_dir: str | None = None, model_path: str | None = None):
     """(tuned, base, tokenizer, the checkpoint's config); models converted into ``cache_dir`` (None:
     $TEXTRL_CACHE or ~/.cache/textrl), never the checkpoint's."""
     _, state = read_checkpoint(checkpoint, "--checkpoint")
-    cfg = checkpoint_config(state)
+    cfg = checkpoint_config(state, model_path, f"--checkpoint={checkpoint}")
     tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cache_dir, cfg.memory)
     load_policy_weights(tuned, state, cfg.memory.lora, f"--checkpoint={checkpoint}")
     base_cfg = load_model_config(base) if base else cfg.model
@@ -151,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--games", type=int, default=1, help="games whose objective shares are averaged (panels: the first)")
     ap.add_argument("--game-file", help="this game file instead")
     ap.add_argument("--out", default="attention", help="folder for the PNGs and attention.json")
+    ap.add_argument("--model-path", default=None, help="the model directory a checkpoint was trained from (model.path=DIR); never taken from the checkpoint")
     ap.add_argument("--cache-dir", default=None, help="games and converted models (default: $TEXTRL_CACHE, else "
                                                       "~/.cache/textrl; never the directory a checkpoint names)")
     args = ap.parse_args(argv)
     try:
-        tuned, base, tokenizer, cfg = load_models(args.checkpoint, args.base, args.cache_dir)
+        tuned, base, tokenizer, cfg = load_models(args.checkpoint, args.base, args.cache_dir, args.model_path)
         env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
         paths = [args.game_file] if args.game_file else \
             GamePool(GameSpec.from_env(env), cache_dir=args.cache_dir).games(args.split, args.games, start=args.game)

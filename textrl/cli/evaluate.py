@@ -97,16 +97,18 @@ def game_files(paths: list[str]) -> list[Path]:
     return found
 
 
-def load_policy(policy_source: str, cache_dir: str | None = None):
+def load_policy(policy_source: str, cache_dir: str | None = None, model_path: str | None = None):
     """(policy, tokenizer, the env it was trained on or None, precision) of ``random``,
-    ``model:<name>`` (untrained) or ``checkpoint:<path>``."""
+    ``model:<name>`` (untrained) or ``checkpoint:<path>`` (``model_path``: the directory a checkpoint
+    was trained from, given by the user)."""
     if policy_source == "random":
         return None, None, None, None
     if policy_source.startswith("model:"):
         policy, tokenizer = build_policy(load_model_config(policy_source.removeprefix("model:")), cache_dir=cache_dir)
         return policy, tokenizer, None, "auto"  # bf16 where the device has it natively, as training
     if policy_source.startswith("checkpoint:"):
-        policy, tokenizer, cfg = load_checkpoint_policy(policy_source.removeprefix("checkpoint:"), cache_dir=cache_dir)
+        policy, tokenizer, cfg = load_checkpoint_policy(policy_source.removeprefix("checkpoint:"), cache_dir=cache_dir,
+                                                        model_path=model_path)
         return policy, tokenizer, cfg, cfg.memory.precision  # the autocast it was trained (and evaluated) with
     raise ValueError(f"policy must be 'random', 'model:<name>' or 'checkpoint:<path>', got {policy_source!r}")
 
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="random policy only")
     ap.add_argument("--transcripts", type=int, default=None, help="games to transcribe (default: all)")
     ap.add_argument("--out", help="output directory (default eval/<policy>-<env>)")
+    ap.add_argument("--model-path", help="the model directory a checkpoint was trained from (model.path=DIR); never taken from the checkpoint")
     ap.add_argument("--cache-dir", help="games and converted models (default: $TEXTRL_CACHE or ~/.cache/textrl; "
                                         "never a checkpoint's)")
     args = ap.parse_args(argv)
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = game_files(args.games) if count is None else None
         for source, name in zip(sources, names):
-            loaded = load_policy(source, args.cache_dir)
+            loaded = load_policy(source, args.cache_dir, args.model_path)
             for setting in settings:
                 summary, episodes = evaluate(source, setting, games=int(count or 0), batch=args.batch, seed=args.seed,
                                              cache_dir=args.cache_dir, files=files,

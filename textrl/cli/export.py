@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
 
 
-def export(ckpt: str | Path, out: str | Path) -> Path:
-    policy, tokenizer, cfg = load_checkpoint_policy(ckpt)
+def export(ckpt: str | Path, out: str | Path, cache_dir: str | None = None, model_path: str | None = None) -> Path:
+    policy, tokenizer, cfg = load_checkpoint_policy(ckpt, cache_dir=cache_dir, model_path=model_path)
     lm = policy.lm.merge_and_unload() if cfg.memory.lora else policy.lm
     out = Path(out)
     lm.save_pretrained(out)
@@ -33,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
     ap.add_argument("out")
+    ap.add_argument("--model-path", help="the model directory a checkpoint was trained from (model.path=DIR); never taken from the checkpoint")
+    ap.add_argument("--cache-dir", help="converted models (default: $TEXTRL_CACHE or ~/.cache/textrl; never a checkpoint's)")
     args = ap.parse_args(argv)
     try:
-        print(f"exported to {export(args.checkpoint, args.out)}")
+        print(f"exported to {export(args.checkpoint, args.out, args.cache_dir, args.model_path)}")
     except CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
     return 0

@@ -57,7 +57,7 @@ def _load_player(args) -> tuple[PolicyValueModel, PromptBuilder, EnvConfig, str]
     Models are converted into the user's cache (``--cache-dir``), never the directory a checkpoint
     names: nothing read from a checkpoint decides where files are written."""
     if args.checkpoint:
-        policy, tokenizer, cfg = load_checkpoint_policy(args.checkpoint, "--checkpoint", args.cache_dir)
+        policy, tokenizer, cfg = load_checkpoint_policy(args.checkpoint, "--checkpoint", args.cache_dir, args.model_path)
         env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
         precision = cfg.memory.precision
     else:
@@ -125,6 +125,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                                              "(its prompt settings and precision are used)")
     ap.add_argument("--top", type=int, default=5, help="how many likely commands to show per step")
     ap.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the checkpoint's, else the env option's")
+    ap.add_argument("--model-path", default=None, help="the model directory a checkpoint was trained from (model.path=DIR); never taken from the checkpoint")
     ap.add_argument("--cache-dir", default=None, help="games and converted models (default: $TEXTRL_CACHE, else "
                                                       "~/.cache/textrl; never the directory a checkpoint names)")
     return ap.parse_args(argv)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from textworld_express import TextWorldExpressEnv
@@ -33,6 +35,9 @@ JAVA_MISSING = ("TextWorldExpress runs its game engine in Java, and no `java` is
                 "`brew install openjdk` (macOS) or `conda install -c conda-forge openjdk`, then run again.")
 
 IDLE_ENGINES = 16  # engines kept for the next games: a rollout's or an evaluation batch's (16 by default)
+# each engine's Java heap: the JVM's own default maximum is a quarter of the machine's memory, which a
+# long-lived engine fills with garbage before it collects (bench/soak.py); a game's state is small
+JAVA_HEAP = "-Xmx128m"
 _idle: list = []  # started engines no game is using (each closes itself when garbage-collected)
 logging.getLogger("py4j").setLevel(logging.WARNING)  # py4j announces every engine's sockets at INFO
 
@@ -52,7 +57,24 @@ def borrow_engine(timeout: float | None = None):
     if not java_available():
         raise GameFileError(JAVA_MISSING)
     # the step limit is textrl's (Game.max_steps); the engine's own one must never cut in first
-    return set_timeout(TextWorldExpressEnv(envStepLimit=10**9), timeout)
+    with _java_options(JAVA_HEAP):
+        engine = TextWorldExpressEnv(envStepLimit=10**9)
+    return set_timeout(engine, timeout)
+
+
+@contextmanager
+def _java_options(options: str):
+    """``JAVA_TOOL_OPTIONS`` for the JVMs started inside (TextWorldExpress fixes the JVM's command
+    line; the JVM reads this variable at start), the previous value back afterwards."""
+    previous = os.environ.get("JAVA_TOOL_OPTIONS")
+    os.environ["JAVA_TOOL_OPTIONS"] = f"{previous} {options}" if previous else options
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["JAVA_TOOL_OPTIONS"]
+        else:
+            os.environ["JAVA_TOOL_OPTIONS"] = previous
 
 
 def return_engine(engine) -> None:
