@@ -85,13 +85,17 @@ def workers():
 
 @pytest.mark.parametrize("fault, reason", [
     ("engine_raises", rf"step {K} \('.+'\) raised RuntimeError: the engine of .+ broke"),
-    ("answers_late", rf"step {K} \('.+'\) answered after \d\.\d s, more than env.step_timeout=1 s"),
+    # in the training process the call is interrupted at the deadline, whether it would answer late or never
+    ("answers_late", rf"step {K} \('.+'\) gave no answer within env.step_timeout=1 s"),
+    ("never_answers", rf"step {K} \('.+'\) gave no answer within env.step_timeout=1 s"),
 ])
 def test_a_game_that_raises_or_answers_late_costs_its_episode_only(fault, reason, easy, caplog):
     envs = easy.local()
     t = target(easy.base, range(len(envs)))
     inject(envs[t], K, fault)
+    start = time.perf_counter()
     episodes = easy.play(envs)
+    assert time.perf_counter() - start < 30  # never_answers sleeps an hour
     assert re.fullmatch(reason, episodes[t].aborted)
     assert played(episodes[t])[0] == played(easy.base[t])[0][: K - 1]  # its steps before the fault are kept
     assert_others_as_before(episodes, easy.base, {t})

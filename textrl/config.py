@@ -100,10 +100,10 @@ class EnvConfig:
     # --groups measures the choice on a CPU)
     decode_groups: Optional[int] = None
     # seconds a game may take to answer a reset or a step (a step worker: this per game of a call);
-    # one that takes longer is a fault: its episode is aborted (env.max_aborted). Step workers and
-    # TextWorldExpress engines are killed when they pass it; a TextWorld game in the training process
-    # (step_workers=0) cannot be interrupted: a late answer aborts its episode once it comes, a game
-    # that never answers hangs the run. Where games may hang, use env.step_workers >= 1
+    # one that takes longer is a fault: its episode is aborted (env.max_aborted). A step worker that
+    # passes it is killed and replaced; a TextWorldExpress call times out on its connection; a
+    # TextWorld call in the training process is interrupted by an alarm (SIGALRM; a loop inside a C
+    # extension only once it returns to Python, so where games may hang there, use env.step_workers)
     step_timeout: float = 60.0
     # the run stops (GameFaultError) when more than this share of an iteration's training episodes,
     # or of an evaluation's, are aborted by game faults (an engine error, no answer in time, a dead

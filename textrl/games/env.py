@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
 import time
 import traceback
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,6 +139,37 @@ def check_game_file(path: Path) -> None:
                             f"regenerates it") from exc
 
 
+class _Expired(BaseException):
+    """A game call ran past its deadline (raised by ``_deadline``'s alarm; not an ``Exception``, so
+    that the engine's own handlers do not swallow it)."""
+
+
+@contextmanager
+def _deadline(seconds: float | None):
+    """Inside, in the main thread of a POSIX process, a call still running after ``seconds`` is
+    interrupted: SIGALRM raises ``_Expired`` in it. Python code and blocking reads (TextWorld's
+    interpreter subprocess) are interrupted; a loop inside a C extension only when it returns.
+    Elsewhere (worker threads, where the parent's deadline kills the worker instead), or when
+    SIGALRM already has a handler of someone else's, nothing is armed."""
+    armed = (seconds is not None and hasattr(signal, "setitimer")
+             and threading.current_thread() is threading.main_thread()
+             and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None))
+    if not armed:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _Expired()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class Game:
     """One game behind ``reset()`` / ``step(command)`` with the textrl reward, step limit,
     admissibility check and a bounded history of turns; the engine (TextWorld, TextWorldExpress)
@@ -146,6 +180,8 @@ class Game:
     for ``history_len // 2`` turns, so the decoder reuses its KV cache instead of re-encoding the
     whole prompt every turn of a long episode.
     """
+
+    interrupt_late_calls = True  # a call still running at step_timeout is interrupted (``_deadline``)
 
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
                  win_bonus: float = 1.0, history_len: int = 8, loss_penalty: float = 1.0, *,
@@ -192,10 +228,16 @@ class Game:
 
     def _call(self, what: str, engine_call, *args):
         """``engine_call(*args)``; its exception, or an answer later than ``step_timeout``, raised as
-        the game's ``GameFault`` (kept in ``fault``) with the engine's traceback."""
+        the game's ``GameFault`` (kept in ``fault``) with the engine's traceback. In the main thread
+        a call still running at ``step_timeout`` is interrupted (``_deadline``)."""
         start = time.perf_counter()
         try:
-            answer = engine_call(*args)
+            with _deadline(self.step_timeout if self.interrupt_late_calls else None):
+                answer = engine_call(*args)
+        except _Expired:
+            self.fault = GameFault(str(self.game_file), f"{what} gave no answer within "
+                                   f"env.step_timeout={self.step_timeout:g} s", traceback.format_exc())
+            raise self.fault from None
         except Exception as exc:
             self.fault = GameFault(str(self.game_file), f"{what} raised {type(exc).__name__}: {exc}",
                                    traceback.format_exc())
@@ -279,6 +321,10 @@ class TextGame(Game):
 
 class ExpressGame(Game):
     """A TextWorldExpress game, from its ``.twx`` descriptor."""
+
+    # its calls are bounded by the engine connection's own socket timeout (express.set_timeout),
+    # which leaves py4j's connection in a known state; an alarm could cut a read half-way
+    interrupt_late_calls = False
 
     def _start(self) -> None:
         self._spec = read_descriptor(self.game_file)
