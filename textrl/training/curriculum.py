@@ -105,7 +105,7 @@ class Curriculum:
         return False
 
     @property
-    def records(self) -> bool:
+    def needs_outcomes(self) -> bool:
         """Whether ``record`` needs the iteration's outcome: stages move on it, replays come from it."""
         return bool(self.cfg.curriculum.stages or self.cfg.curriculum.replay)
 

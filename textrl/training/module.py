@@ -103,7 +103,7 @@ class PPOModule(L.LightningModule):
         sampling = Sampling(temperature, episode_seeds(self.cfg.seed, iteration, played.games), self.cfg.ppo.explore)
         episodes, rollout_stats = play_games(self.player, played.games, played.env, sampling)
         episodes, aborted = self._completed(episodes, played.env.max_aborted, "training")  # game faults: left out
-        if curriculum.records:  # stages move on the win rate of all ranks' episodes
+        if curriculum.needs_outcomes:  # stages move on the win rate of all ranks' episodes
             won = self._all_reduce(torch.tensor([sum(e.won for e in episodes), len(episodes)],
                                                 dtype=torch.float32, device=self.device), "sum")
             curriculum.record(float(won[0] / won[1]), [e.game for e in episodes if not e.won])
