@@ -9,6 +9,12 @@ transformers, ~0.6 GB, but not the transient peak of building the model: freed m
 to the OS first and the RSS is sampled every millisecond during the update); with a GPU, peak
 allocated CUDA memory. All blocks are trained (model.trainable_layers=null), as in the seed.
 
+``qlora`` quantises a pretrained model as it loads (textrl refuses ``memory=qlora`` with
+``model.source=random``: a model built from its config takes no 4-bit quantisation), so for it the
+randomly initialised model is first saved to a temporary directory and loaded from there
+(``model.source=hub model.path=DIR``): real NF4 weights, on a GPU or, with bitsandbytes >= 0.50,
+on a CPU.
+
     python bench/memory.py                       # all architectures and options
     python bench/memory.py --archs smollm2 --options none lora
 """
@@ -21,6 +27,7 @@ import platform
 import resource
 import subprocess
 import sys
+import tempfile
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
 
@@ -72,12 +79,15 @@ def measure(arch: str, option: str, seq_len: int, batch: int) -> dict:
     cfg.memory = load_memory_config(option)
     if not cuda and cfg.memory.precision == "16-mixed" and option == "lowmem":
         cfg.memory.precision = "bf16-mixed"  # the seed's combination without fp16, as on any CPU
+    folder = tempfile.TemporaryDirectory(prefix=f"memory-{arch}-")  # removed when this function returns
+    if cfg.memory.quantize_4bit:  # a pretrained model from disk (module docstring), never a fake qlora
+        cfg.model = saved_model(cfg.model, folder.name)
     try:
         resolve(validate(cfg))
     except ValueError as exc:
         return {"skipped": str(exc)}
     device = torch.device("cuda" if cuda else "cpu")
-    policy, _ = build_policy(cfg.model, memory=cfg.memory)
+    policy, _ = build_policy(cfg.model, memory=cfg.memory, device=device)
     policy.to(device).train()
     optimizer = make_optimizer([p for p in policy.lm.parameters() if p.requires_grad],
                                list(policy.value_head.parameters()), cfg.memory, 1e-5, 1e-4, 0.0)
@@ -99,6 +109,20 @@ def measure(arch: str, option: str, seq_len: int, batch: int) -> dict:
     return {"peak_gb": round(peak, 3), "rss_before_update_gb": round(before / 2**30, 3),
             "params_m": round(params / 1e6, 1), "trainable_m": round(trainable / 1e6, 2),
             "precision": cfg.memory.precision}
+
+
+def saved_model(model_cfg, folder: str):
+    """The randomly initialised model of ``model_cfg`` (and its tokenizer) saved to ``folder``, as a
+    model config that loads it from there like a pretrained model (``source=hub``, ``path``)."""
+    from dataclasses import replace
+
+    from textrl.policy.model import build_policy
+
+    policy, tokenizer = build_policy(model_cfg)
+    policy.lm.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return replace(model_cfg, source="hub", path=folder, hub_id=None, gguf_package=None, gguf_file=None,
+                   architecture={})
 
 
 def update(policy, optimizer, dtype, scaler, device, seq_len, batch):

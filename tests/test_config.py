@@ -16,7 +16,7 @@ from textrl.errors import ConfigError
 from textrl.games.express import java_available
 from textrl.games.pool import check_games
 
-CUDA_ONLY = {"fp16", "lowmem", "qlora"}
+CUDA_ONLY = {"fp16", "lowmem"}
 GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment", "curriculum", "sweep"]
 
 

@@ -57,8 +57,7 @@ def test_lora_checkpoint_holds_adapters_and_head_only(tmp_path):
     assert resumed["trainer"].current_epoch == 2
 
 
-@pytest.mark.parametrize("memory, key", [("fp16", "memory.precision"), ("qlora", "memory.quantize_4bit"),
-                                         ("lowmem", "memory.precision")])
+@pytest.mark.parametrize("memory, key", [("fp16", "memory.precision"), ("lowmem", "memory.precision")])
 def test_gpu_only_options_fail_at_start_on_a_cpu(tmp_path, memory, key):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")

@@ -15,7 +15,7 @@ import textrl.cli.train as cli
 from tests.conftest import SMALL, Snapshot, StopAfter, config, read_metrics, table
 from textrl.config import CONF_DIR
 from textrl.policy.model import build_policy
-from textrl.ppo.sequences import decision_forward, decision_indices
+from textrl.ppo.sequences import decision_forward
 from textrl.rollout import Sampling, episode_seeds, play_games
 from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.module import PPOModule
@@ -68,10 +68,10 @@ def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool):
     first = data.sequences[:2]
     with torch.no_grad():
         terms, _ = update.loss(first, data, 1.0)
-        values = decision_forward(update.policy, first, update.pad_id).values
+        out = decision_forward(update.policy, first, update.pad_id)
     assert terms.log_ratio.numel() >= 2
     assert float(terms.log_ratio.abs().max()) < 1e-4
-    assert torch.allclose(values, data.targets.old_values[decision_indices(first)], atol=1e-4)
+    assert torch.allclose(out.values, data.targets.old_values[out.decisions], atol=1e-4)
 
 
 def test_an_optimizer_steps_gradient_does_not_depend_on_how_it_is_split(tmp_path, easy_pool):

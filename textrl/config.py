@@ -183,7 +183,7 @@ class MemoryConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_targets: Optional[list[str]] = None  # None: the model family's default (textrl.policy.memory)
-    quantize_4bit: bool = False  # QLoRA: 4-bit base weights via bitsandbytes (CUDA only)
+    quantize_4bit: bool = False  # QLoRA: 4-bit base weights via bitsandbytes (CUDA or CPU; a pretrained model)
 
 
 @dataclass
@@ -201,6 +201,10 @@ class TrainerConfig:
     # jobs of a multirun side by side on this machine (conf/sweep/cpu.yaml, gpus.yaml): each job takes
     # a free GPU, or `threads` cores, for as long as it runs (textrl/training/slots.py)
     share_machine: bool = False
+    # deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG) for the
+    # whole run: a resumed run on CUDA then continues exactly, as it always does on a CPU. Costs
+    # slower CUDA kernels, and a CUDA op with no deterministic kernel raises (README, resuming)
+    deterministic: bool = False
 
 
 @dataclass
@@ -377,6 +381,8 @@ def _check_trainer(cfg: TrainConfig) -> None:
     _check("threads", cfg.threads, cfg.threads is None or cfg.threads >= 1, "null or an integer >= 1")
     _check("trainer.accelerator", t.accelerator, t.accelerator not in {"gpu", "cuda"} or _cuda_available(),
            "needs a CUDA GPU and none is available; on a CPU use trainer=cpu (or -m sweep=cpu for a sweep)")
+    # a TrainConfig built in Python is not typed by Hydra: "false" would switch it on
+    _check("trainer.deterministic", t.deterministic, isinstance(t.deterministic, bool), "true or false")
 
 
 def _check_eval(v: EvalConfig, e: EnvConfig) -> None:
@@ -407,6 +413,13 @@ def _check_model(m: ModelConfig, memory: MemoryConfig) -> None:
     _check("model.value_hidden", m.value_hidden, m.value_hidden >= 1, "an integer >= 1")
     _check("model.trainable_layers", m.trainable_layers, m.trainable_layers is None or not memory.lora,
            "null with LoRA (LoRA already freezes the base model): set model.trainable_layers=null")
+    # bitsandbytes quantises a model's weights as from_pretrained loads them; a random model is built
+    # with from_config, which takes no quantization: it would train as an fp32 LoRA model, called qlora
+    if memory.quantize_4bit and m.source == "random":
+        raise ConfigError("memory.quantize_4bit=True (memory=qlora) is not allowed with model.source=random: 4-bit "
+                          "weights are quantised as a pretrained model loads; use a pretrained model (model.source="
+                          "hub or gguf; a random one saved with save_pretrained and given as model.source=hub "
+                          "model.path=DIR), or memory=lora")
 
 
 def _check_memory(m: MemoryConfig, t: TrainerConfig) -> None:
@@ -416,12 +429,9 @@ def _check_memory(m: MemoryConfig, t: TrainerConfig) -> None:
     _check("memory.lora_r", m.lora_r, m.lora_r >= 1, "an integer >= 1")
     _check("memory.quantize_4bit", m.quantize_4bit, not m.quantize_4bit or m.lora,
            "4-bit base weights are frozen: use it with memory.lora=true (memory=qlora)")
-    for key, needs, cpu_choice in [
-        ("precision", m.precision == "16-mixed", "memory=bf16 (or memory.precision=bf16-mixed)"),
-        ("quantize_4bit", m.quantize_4bit, "memory=lora (bitsandbytes 4-bit kernels are CUDA-only)"),
-    ]:
-        _check(f"memory.{key}", getattr(m, key), not needs or _trains_on_cuda(t),
-               f"needs a CUDA GPU and none is available; on a CPU use {cpu_choice}")
+    # 4-bit (memory=qlora) runs on a CPU too: bitsandbytes >= 0.50 has CPU kernels for NF4 (slowly)
+    _check("memory.precision", m.precision, m.precision != "16-mixed" or _trains_on_cuda(t),
+           "needs a CUDA GPU and none is available; on a CPU use memory=bf16 (or memory.precision=bf16-mixed)")
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:

@@ -36,9 +36,10 @@ import torch
 from textrl.config import load_env_config, load_model_config
 from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec, game_name
-from textrl.games.prompt import PromptBuilder
+from textrl.games.prompt import PromptBuilder, fit_to_positions
 from textrl.policy.checkpoint import CheckpointError, checkpoint_config, load_policy_weights, read_checkpoint
 from textrl.policy.decoding import Cursor
+from textrl.policy.device import process_device
 from textrl.policy.model import ModelNotFoundError, build_policy
 from textrl.policy.precision import autocast_context
 
@@ -46,7 +47,8 @@ from textrl.policy.precision import autocast_context
 @torch.no_grad()
 def attention_to_prompt(policy, ids: list[int]) -> torch.Tensor:
     """[layers, len(ids)]: the attention of the last position to every position, mean over heads."""
-    out = policy.lm(input_ids=torch.tensor([ids]), output_attentions=True, logits_to_keep=1)
+    device = next(policy.parameters()).device  # the inputs go where the policy is (a GPU, the CPU)
+    out = policy.lm(input_ids=torch.tensor([ids], device=device), output_attentions=True, logits_to_keep=1)
     return torch.stack([a[0, :, -1, :].float().mean(0) for a in out.attentions])
 
 
@@ -83,19 +85,23 @@ def eager(model_cfg):
     return replace(model_cfg, attn_implementation="eager")
 
 
-def load_models(checkpoint: str, base: str | None, cache_dir: str | None = None, model_path: str | None = None):
-    """(tuned, base, tokenizer, the checkpoint's config); models converted into ``cache_dir`` (None:
-    $TEXTRL_CACHE or ~/.cache/textrl), never the checkpoint's."""
+def load_models(checkpoint: str, base: str | None, cache_dir: str | None = None, model_path: str | None = None,
+                device: torch.device | None = None):
+    """(tuned, base, tokenizer, the checkpoint's config), both on ``device`` (None:
+    ``process_device()``); models converted into ``cache_dir`` (None: $TEXTRL_CACHE or
+    ~/.cache/textrl), never the checkpoint's."""
+    device = device if device is not None else process_device()
     _, state = read_checkpoint(checkpoint, "--checkpoint")
     cfg = checkpoint_config(state, model_path, f"--checkpoint={checkpoint}")
-    tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cache_dir, cfg.memory)
+    tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cache_dir, cfg.memory, device)
     load_policy_weights(tuned, state, cfg.memory.lora, f"--checkpoint={checkpoint}")
     base_cfg = load_model_config(base) if base else cfg.model
     base_policy, base_tokenizer = build_policy(eager(base_cfg), cfg.env.step_penalty, cache_dir)
     if base_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"--base {base} has another tokenizer than the checkpoint's model "
                                  f"({cfg.model.name}): the prompts would differ; use the same model family")
-    return tuned.eval(), base_policy.eval(), tokenizer, cfg
+    # a QLoRA policy was loaded onto the device; the rest is moved there
+    return tuned.to(device).eval(), base_policy.to(device).eval(), tokenizer, cfg
 
 
 def plot(out: Path, tokens: list[str], marked: list[int], layers: dict[str, torch.Tensor], shares: dict[str, list[float]],
@@ -158,14 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tuned, base, tokenizer, cfg = load_models(args.checkpoint, args.base, args.cache_dir, args.model_path)
         env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
+        # prompts within both models' positions (GPT-2: 1,024); one log line if capped
+        env = fit_to_positions(env, min(filter(None, (tuned.position_limit, base.position_limit)), default=None))
         paths = [args.game_file] if args.game_file else \
             GamePool(GameSpec.from_env(env), cache_dir=args.cache_dir).games(args.split, args.games, start=args.game)
         games = [open_game(p, env) for p in paths]
     except (CheckpointError, ModelNotFoundError, ValueError) as exc:  # ConfigError and GameFileError too
         raise SystemExit(f"error: {exc}") from None
     prompts = PromptBuilder.for_env(tokenizer, env)
-    # both models under the autocast the tuned policy was trained and evaluated with
-    with autocast_context(cfg.memory.precision, "cpu"), tuned.frozen_linears_in_autocast_dtype(), \
+    # both models under the autocast the tuned policy was trained and evaluated with, on their device
+    device = next(tuned.parameters()).device
+    with autocast_context(cfg.memory.precision, device), tuned.frozen_linears_in_autocast_dtype(), \
             base.frozen_linears_in_autocast_dtype():
         per_game = [opening_attention(path, game, prompts, {"base": base, "tuned": tuned})
                     for path, game in zip(paths, games)]

@@ -30,8 +30,10 @@ import torch
 from textrl.config import load_env_config, load_model_config, native_bf16
 from textrl.games.env import check_game_file, open_game
 from textrl.games.pool import GamePool, GameSpec, game_name
+from textrl.games.prompt import fit_to_positions
 from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
 from textrl.policy.decoding import ConstrainedDecoder
+from textrl.policy.device import process_device
 from textrl.policy.model import ModelNotFoundError, build_policy
 from textrl.policy.precision import autocast_context
 from textrl.rollout import Episode, Player, play_games, play_uniform
@@ -97,19 +99,23 @@ def game_files(paths: list[str]) -> list[Path]:
     return found
 
 
-def load_policy(policy_source: str, cache_dir: str | None = None, model_path: str | None = None):
+def load_policy(policy_source: str, cache_dir: str | None = None, model_path: str | None = None,
+                device: str | torch.device | None = None):
     """(policy, tokenizer, the env it was trained on or None, precision) of ``random``,
     ``model:<name>`` (untrained) or ``checkpoint:<path>`` (``model_path``: the directory a checkpoint
-    was trained from, given by the user)."""
+    was trained from, given by the user). The policy is on ``device`` (None: ``process_device()``:
+    this process's GPU as training picks it, else the CPU)."""
     if policy_source == "random":
         return None, None, None, None
+    device = torch.device(device) if device is not None else process_device()
     if policy_source.startswith("model:"):
         policy, tokenizer = build_policy(load_model_config(policy_source.removeprefix("model:")), cache_dir=cache_dir)
-        return policy, tokenizer, None, "auto"  # bf16 where the device has it natively, as training
+        return policy.to(device), tokenizer, None, "auto"  # bf16 where the device has it natively, as training
     if policy_source.startswith("checkpoint:"):
         policy, tokenizer, cfg = load_checkpoint_policy(policy_source.removeprefix("checkpoint:"), cache_dir=cache_dir,
-                                                        model_path=model_path)
-        return policy, tokenizer, cfg, cfg.memory.precision  # the autocast it was trained (and evaluated) with
+                                                        model_path=model_path, device=device)
+        # a QLoRA policy was loaded onto the device; any other is moved there
+        return policy.to(device), tokenizer, cfg, cfg.memory.precision  # the autocast it was trained (and evaluated) with
     raise ValueError(f"policy must be 'random', 'model:<name>' or 'checkpoint:<path>', got {policy_source!r}")
 
 
@@ -119,9 +125,10 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
     """Play ``games`` held-out games of the env option ``env_name`` (default: the checkpoint's own
     setting, else easy), or the game ``files``. ``policy_source``: ``random``, ``model:<name>``
     (untrained) or ``checkpoint:<path>``; ``loaded``: its ``load_policy`` result, to play several
-    settings with one load. Games are generated or found under ``cache_dir`` (the user's, never a
-    checkpoint's). Returns the summary and the episodes."""
-    policy, tokenizer, cfg, precision = loaded or load_policy(policy_source, cache_dir)
+    settings with one load (it plays on the device it was loaded on). ``device``: where ``load_policy``
+    puts the policy (None: ``process_device()``). Games are generated or found under ``cache_dir``
+    (the user's, never a checkpoint's). Returns the summary and the episodes."""
+    policy, tokenizer, cfg, precision = loaded or load_policy(policy_source, cache_dir, device=device)
     if cfg is not None:
         # another setting's games, shown with the prompt the policy was trained with
         env = load_env_config(env_name).with_prompt_of(cfg.env) if env_name else cfg.env
@@ -129,16 +136,17 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
         env = load_env_config(env_name or "easy")
     if max_steps is not None:
         env = replace(env, max_steps=max_steps)
+    if policy is not None:  # prompts within the model's positions (GPT-2: 1,024); one log line if capped
+        env = fit_to_positions(env, policy.position_limit, cfg.model.name if cfg is not None else policy_source)
     if files is not None:
         paths, setting = files, "files"
     else:
         paths, setting = GamePool(GameSpec.from_env(env), cache_dir=cache_dir, workers=env.workers).games("eval", games), env.name
     player = None
     if policy is not None:
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = next(policy.parameters()).device  # load_policy's (every input follows the policy)
         if precision == "auto":
-            precision = "bf16-mixed" if native_bf16(device == "cuda") else "32-true"
-        policy.to(device)
+            precision = "bf16-mixed" if native_bf16(device.type == "cuda") else "32-true"
         player = Player(policy, tokenizer, [ConstrainedDecoder(policy)],
                         autocast=lambda: autocast_context(precision, device))
     episodes: list[Episode] = []

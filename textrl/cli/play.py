@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -21,9 +22,10 @@ import torch
 from textrl.config import EnvConfig, load_env_config, load_model_config
 from textrl.games.env import InvalidCommandError, open_game
 from textrl.games.pool import GamePool, GameSpec
-from textrl.games.prompt import PromptBuilder, observation_text
+from textrl.games.prompt import PromptBuilder, fit_to_positions, observation_text
 from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
 from textrl.policy.decoding import ConstrainedDecoder, score_commands
+from textrl.policy.device import process_device
 from textrl.policy.model import ModelNotFoundError, PolicyValueModel, build_policy
 from textrl.policy.precision import autocast_context
 
@@ -49,22 +51,27 @@ def _ask(obs, read) -> str | None:
         print(f"'{line}' is not admissible here; type one of the commands above or its number (quit to stop).")
 
 
-def _load_player(args) -> tuple[PolicyValueModel, PromptBuilder, EnvConfig, str]:
-    """The model that plays (untrained by config name, or from a checkpoint), its prompt builder,
-    environment settings (a checkpoint's own, so the policy sees what it was trained on) and
-    precision (a checkpoint's: the one it was trained and evaluated with).
+def _load_player(args, device: torch.device) -> tuple[PolicyValueModel, PromptBuilder, EnvConfig, str]:
+    """The model that plays (untrained by config name, or from a checkpoint), on ``device``, its
+    prompt builder, environment settings (a checkpoint's own, so the policy sees what it was trained
+    on) and precision (a checkpoint's: the one it was trained and evaluated with).
 
     Models are converted into the user's cache (``--cache-dir``), never the directory a checkpoint
     names: nothing read from a checkpoint decides where files are written."""
     if args.checkpoint:
-        policy, tokenizer, cfg = load_checkpoint_policy(args.checkpoint, "--checkpoint", args.cache_dir, args.model_path)
+        policy, tokenizer, cfg = load_checkpoint_policy(args.checkpoint, "--checkpoint", args.cache_dir, args.model_path,
+                                                        device)
         env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
         precision = cfg.memory.precision
     else:
         policy, tokenizer = build_policy(load_model_config(args.model), cache_dir=args.cache_dir)
         env = load_env_config(args.env or "easy")
         precision = "auto"  # as training resolves it on this device
-    return policy, PromptBuilder.for_env(tokenizer, env, args.max_prompt_tokens), env, precision
+    if args.max_prompt_tokens:
+        env = replace(env, max_prompt_tokens=args.max_prompt_tokens)
+    env = fit_to_positions(env, policy.position_limit)  # within the model's positions (GPT-2: 1,024)
+    # a QLoRA policy was loaded onto the device; any other is moved there (every input follows the policy)
+    return policy.to(device).eval(), PromptBuilder.for_env(tokenizer, env), env, precision
 
 
 def _read(prompt: str) -> str | None:
@@ -134,10 +141,11 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     policy = None
+    device = process_device()  # this process's GPU (as training picks it), else the CPU
     try:
         env_cfg = load_env_config(args.env or "easy")
         if args.model or args.checkpoint:
-            policy, prompts, env_cfg, precision = _load_player(args)
+            policy, prompts, env_cfg, precision = _load_player(args, device)
         path = args.game_file or GamePool(GameSpec.from_env(env_cfg), cache_dir=args.cache_dir) \
             .games(args.split, 1, start=args.game)[0]
         env = open_game(path, env_cfg)
@@ -147,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if policy is None:
             return _run_game(env, lambda obs: _ask(obs, _read))
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # as textrl-eval
-        policy.to(device).eval()
-        decoder = ConstrainedDecoder(policy)
+        decoder = ConstrainedDecoder(policy)  # its inputs on the policy's device
         # one autocast for the whole game: the decoder's KV cache is kept in its dtype between turns
         with torch.no_grad(), autocast_context(precision, device), policy.frozen_linears_in_autocast_dtype():
             return _run_game(env, lambda obs: _model_command(policy, decoder, prompts, obs, env.history, args.top))

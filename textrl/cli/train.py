@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import signal
+import time
 from pathlib import Path
 
 import hydra
@@ -17,9 +20,10 @@ from omegaconf import DictConfig
 from textrl.config import CONF_DIR, TrainConfig, register_configs, resolve, to_train_config, validate
 from textrl.errors import ConfigError, GameFaultError, GameFileError, NonFiniteError
 from textrl.games.pool import check_games
-from textrl.games.prompt import PromptTooLongError
+from textrl.games.prompt import PromptTooLongError, fit_to_positions
 from textrl.policy.checkpoint import (CheckpointError, check_same_model, frozen_fingerprint, leaves_frozen_weights_out,
                                       load_policy_weights, read_checkpoint)
+from textrl.policy.device import trainer_device
 from textrl.policy.model import ModelNotFoundError, build_policy
 from textrl.training.callbacks import AtomicCheckpointIO, EvaluateLastIteration, Interrupted, StopOnSignal
 from textrl.training.datamodule import RolloutDataModule
@@ -49,7 +53,26 @@ def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
     run_dir = Path(cfg.output_dir)
     if resume_iteration is not None and resume_iteration >= cfg.iterations:
         return _finished(cfg, run_dir, resume_iteration)
-    init_state = _init_from(cfg) if cfg.model.init_from and resume_state is None else None
+    # read and checked before anything is built; handed on in a dict that _build_and_fit empties, so
+    # that the checkpoint's tensors are freed once loaded
+    init = {"state": _init_from(cfg)} if cfg.model.init_from and resume_state is None else {}
+    # every game the run can play (env's and every curriculum stage's training pools, the warm
+    # start's, the evaluation games), made now: before anything touches CUDA, since the generating
+    # workers are forked (textrl.games.pool.start_method), and never mid-run
+    start = time.perf_counter()
+    datamodule = RolloutDataModule(cfg)
+    datamodule.prepare_data()
+    log.info("games ready in %.1f s: every game this run plays is in the cache", time.perf_counter() - start)
+    with _deterministic(cfg.trainer.deterministic), _job_gpu(cfg):
+        return _build_and_fit(cfg, callbacks, resume_state, init, datamodule)
+
+
+def _build_and_fit(cfg: TrainConfig, callbacks: list[L.Callback], resume_state: dict | None, init: dict,
+                   datamodule: RolloutDataModule) -> dict:
+    """The rest of ``_train``, once the games are made: the policy, the warm start, the Trainer."""
+    init_state = init.pop("state", None)
+    resume_iteration = resume_state["iterations_done"] if resume_state is not None else None
+    run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.memory.name == "auto":
         log.info("memory=auto: precision %s (%s)", cfg.memory.precision,
@@ -58,7 +81,11 @@ def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, trainer_device(cfg.trainer))
+    # prompts within the model's positions (GPT-2: 1,024): env's budget, which checkpoints keep and
+    # textrl-eval/play read back, and each curriculum stage's own; one log line each that is capped
+    cfg.env = fit_to_positions(cfg.env, policy.position_limit, cfg.model.name)
+    datamodule.curriculum.fit_to_positions(policy.position_limit)
     frozen_as_built = True  # checkpoints may leave the frozen weights out (they come from the model config)
     if init_state is not None:  # before the module: a KL anchor's reference is this policy
         slim = leaves_frozen_weights_out(cfg)
@@ -72,7 +99,6 @@ def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
     if warm:
         (run_dir / "warm_start.json").write_text(json.dumps(warm, indent=2) + "\n")
     module = PPOModule(cfg, policy, tokenizer, frozen_as_built)
-    datamodule = RolloutDataModule(cfg)
     checkpoints = run_dir / "checkpoints"
     # last.ckpt after every iteration, overwritten in place (a "top-1 without a monitor" is the most
     # recent one). Lightning's save_last=True alone writes it only when another checkpoint is saved
@@ -91,6 +117,8 @@ def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
         plugins=[AtomicCheckpointIO()],
         check_val_every_n_epoch=cfg.eval.every, num_sanity_val_steps=0, log_every_n_steps=1,
         default_root_dir=run_dir, use_distributed_sampler=False, enable_model_summary=False,
+        # None leaves torch's flags as _deterministic set them (False would switch off a caller's own)
+        deterministic=cfg.trainer.deterministic or None,
     )
     if warm and trainer.logger is not None:
         trainer.logger.log_metrics({**warm, "iteration": 0.0}, step=0)
@@ -109,6 +137,56 @@ def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
                 "module": module, "trainer": trainer}
     return {"metrics": metrics, "run_dir": run_dir, "last": last.best_model_path,
             "best": best.best_model_path, "module": module, "trainer": trainer}
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """``trainer.deterministic``: deterministic algorithms for the whole run, the warm start's
+    Fabric included, set before anything touches CUDA (cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when
+    it first runs; Lightning's Trainer, which sets the same, is built after the warm start). Resuming
+    on CUDA is exact only with it; some CUDA ops are slower, and those with no deterministic kernel
+    raise (``torch.use_deterministic_algorithms``). Restored afterwards: a process that runs several
+    jobs (tests, Hydra's joblib workers) does not carry one job's mode into the next."""
+    if not on:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # as Lightning sets it
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]
+        if before[3] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = before[3]
+
+
+@contextlib.contextmanager
+def _job_gpu(cfg: TrainConfig):
+    """On CUDA, this job's GPU (``process_device``'s) for the whole run: current device (stray
+    allocations and the CUDA context go there, not to GPU 0), its peak-memory counter reset at the
+    start (``perf/peak_mem_gb`` is this job's peak) and the caching allocator's free blocks given
+    back at the end. Entered after the games are made: setting the device initialises CUDA.
+
+    Hydra's joblib launcher (``sweep=gpus``) runs jobs in reused loky worker processes, and its
+    launcher config offers no way not to reuse them: a reused worker keeps the CUDA context it
+    created for an earlier job, on that job's GPU (a few hundred MB there), and memory still held by
+    objects alive after the run. Not tested here: no GPU (read only)."""
+    device = trainer_device(cfg.trainer)
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_device(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        yield
+    finally:
+        torch.cuda.empty_cache()
 
 
 def _fit(cfg: TrainConfig, trainer: L.Trainer, module: PPOModule, datamodule: RolloutDataModule, fresh: bool) -> None:

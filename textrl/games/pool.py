@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -254,6 +255,22 @@ def _make_game(spec: GameSpec, seed: int, folder: Path, express_seed: int | None
         return f"{type(exc).__name__}: {exc}"
 
 
+def start_method(cuda_initialized: bool | None = None) -> str:
+    """How game-generation workers start: ``fork``, unless this process has initialised CUDA
+    (``cuda_initialized``; None: ask torch, if it is imported at all), then ``spawn``.
+
+    Fork is the default because spawn re-imports the caller's ``__main__`` in every worker (breaking
+    scripts without an ``if __name__ == "__main__"`` guard), and the children only run TextWorld, never
+    torch, so inheriting the parent's thread pools is harmless. Forking a process whose CUDA driver
+    threads are live is not: a child can inherit a lock another thread held and deadlock. ``train``
+    generates every game before anything touches CUDA; this covers what runs later (textrl-eval of a
+    QLoRA checkpoint, whose model bitsandbytes places on the GPU as it loads, a caller's own code)."""
+    if cuda_initialized is None:
+        torch = sys.modules.get("torch")  # not imported: CUDA cannot be initialised by it
+        cuda_initialized = torch is not None and torch.cuda.is_initialized()
+    return "spawn" if cuda_initialized else "fork"
+
+
 class GamePool:
     """Compiled games of one setting, addressed by split and index.
 
@@ -325,15 +342,17 @@ class GamePool:
             return []
         self.root.mkdir(parents=True, exist_ok=True)
         self.generated += len(seeds)
+        workers = 1 if self.spec.game in EXPRESS else min(self.workers, len(seeds))
+        method = start_method() if workers > 1 else None
+        log.info("generating %d %s games (seeds %d..%d) %s", len(seeds), self.spec.name, min(seeds), max(seeds),
+                 f"in {workers} worker processes ({method})" if method else "in this process")
         if self.spec.game in EXPRESS:  # a descriptor per game: nothing to spread over workers
             return [_generate(self.spec, s, self.entry(s), self._express_seed(s)) for s in seeds]
         jobs = [(self.spec, s, self.entry(s)) for s in seeds]
-        if self.workers == 1 or len(seeds) == 1:
+        if method is None:
             return [_generate(*job) for job in jobs]
-        # fork: spawn would re-import the caller's __main__ (breaking unguarded scripts); the children
-        # only run TextWorld, never torch, so inheriting the parent's thread pools is harmless.
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=min(self.workers, len(seeds)), mp_context=ctx) as ex:
+        ctx = multiprocessing.get_context(method)
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
             return list(ex.map(_generate, *zip(*jobs)))
 
     def _express_seed(self, seed: int) -> int | None:

@@ -206,13 +206,18 @@ def load_policy_weights(policy: PolicyValueModel, state: dict, lora: bool, origi
 
 
 def load_checkpoint_policy(path: str | Path, option: str = "checkpoint", cache_dir: str | None = None,
-                           model_path: str | Path | None = None) -> tuple[PolicyValueModel, object, TrainConfig]:
+                           model_path: str | Path | None = None, device: torch.device | None = None,
+                           quantize: bool = True) -> tuple[PolicyValueModel, object, TrainConfig]:
     """The policy (with any LoRA adapters), tokenizer and training config stored in a checkpoint.
     Models are found or converted under ``cache_dir`` (the user's; None: the default cache), never
     the directory the checkpoint names: nothing read from a checkpoint decides where files go
-    (``checkpoint_config``). ``model_path``: the model's directory, for a checkpoint trained from one."""
+    (``checkpoint_config``). ``model_path``: the model's directory, for a checkpoint trained from one.
+    ``device``: where a QLoRA policy is loaded (``build_policy``; None: ``process_device()``); any
+    other policy is returned on the CPU. ``quantize=False`` builds a QLoRA checkpoint's policy on the
+    unquantised (fp32) base model, with its adapters (textrl-export)."""
     _, state = read_checkpoint(path, option)
     cfg = checkpoint_config(state, model_path, f"{option}={path}")
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cache_dir, cfg.memory)
+    memory = cfg.memory if quantize else replace(cfg.memory, quantize_4bit=False)
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cache_dir, memory, device)
     load_policy_weights(policy, state, cfg.memory.lora, f"{option}={path}")
     return policy, tokenizer, cfg

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-import time
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from textrl.policy.distribution import entropy, fork_index, fork_logprobs
+from textrl.policy.device import PhaseTimer, ints_to_device
+from textrl.policy.distribution import Forks, entropy, fork_logprobs, fork_parts
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.ragged_cache import RaggedCache
@@ -78,8 +78,8 @@ class Action:
 @dataclass
 class DecodeProfile:
     """Where a rollout's decoding time goes (``perf/rollout_*`` metrics, ``bench/iteration.py``).
-    Host wall time: on CUDA a call's kernels may still run when the next phase starts (``choose``
-    synchronises with its ``.cpu()``), so there the split between phases is approximate."""
+    Measured on the device's clock (``PhaseTimer``: CUDA events on a GPU, where the host's clock
+    would stop when the kernels are queued)."""
 
     prefill_s: float = 0.0  # model calls feeding prompts: the new observation and the forced tokens up to the first fork
     prefill_tokens: int = 0  # real tokens those calls fed (padding left out)
@@ -119,7 +119,15 @@ class ConstrainedDecoder:
         self.slots: list = []
         self.fed: list[list[int]] = []  # real tokens already in each row's cache
         self.captured: list[list[torch.Tensor]] = []  # with ``capture``: the frozen output at each of them
-        self.profile = DecodeProfile()  # a new one: decode_episodes() hands the finished one to its caller
+        # new ones: decode_episodes() reads the finished profile before the next reset
+        self.timer = PhaseTimer(self.device)
+        self.counts = {"prefill_tokens": 0, "fork_tokens": 0, "calls": 0}
+
+    @property
+    def profile(self) -> DecodeProfile:
+        """This rollout's profile so far (on CUDA, reading it waits for the queued calls)."""
+        return DecodeProfile(prefill_s=self.timer.seconds("prefill"), fork_s=self.timer.seconds("fork"),
+                             choose_s=self.timer.seconds("choose"), **self.counts)
 
     @property
     def device(self) -> torch.device:
@@ -138,42 +146,54 @@ class ConstrainedDecoder:
             self.captured = [self.captured[r] for r in rows]
         self.slots = list(slots)
 
-    def _feed(self, chunks: list[list[int]], phase: str) -> torch.Tensor:
+    def _feed(self, chunks: list[list[int]], phase: str, rows: list[int],
+              forks: list[list[int]] | None = None) -> tuple[torch.Tensor, Forks | None]:
         """Append each row's tokens to its cache in one packed model call, timed and counted under
-        ``phase`` ("prefill" or "fork"); return the hidden state after each row's last token (a row
-        fed nothing gets another row's: its state is not read). With ``capture``, the frozen output
-        at each token is appended to its row's ``captured``."""
+        ``phase`` ("prefill" or "fork"); return the hidden state after the last token of each of
+        ``rows`` (each fed at least one token), and with ``forks`` (those rows' next forks'
+        children) their ``Forks`` on the device. With ``capture``, the frozen output at each token
+        is appended to its row's ``captured``.
+
+        Everything the call needs from the host -- token ids, positions, the cache's layout, which
+        hidden states to read, the forks' children -- goes to the device in one copy
+        (``ints_to_device``): one host-to-device transfer per call."""
         new = [len(c) for c in chunks]
-        device = self.device
-        ids = torch.tensor([[t for c in chunks for t in c]], device=device)
-        positions = torch.tensor([[k for f, c in zip(self.fed, chunks) for k in range(len(f), len(f) + len(c))]],
-                                 device=device)
-        start = time.perf_counter()
-        if self.capture is None:
-            hidden = self.policy.hidden_packed(ids, positions, self.cache, new)
-        else:
-            with self.capture.record() as recorded:
-                hidden = self.policy.hidden_packed(ids, positions, self.cache, new)
-            output = self.capture.recorded_output(recorded)[0]
-            offset = 0
-            for r, n in enumerate(new):  # views: the packed output holds real tokens only
-                if n:
-                    self.captured[r].append(output[offset:offset + n])
-                offset += n
-        p = self.profile
-        setattr(p, f"{phase}_s", getattr(p, f"{phase}_s") + time.perf_counter() - start)
-        setattr(p, f"{phase}_tokens", getattr(p, f"{phase}_tokens") + ids.shape[1])
-        p.calls += 1
+        ends = list(itertools.accumulate(new))
+        layout = self.cache.layout(new)
+        parts = {"ids": [t for c in chunks for t in c],
+                 "positions": [k for f, c in zip(self.fed, chunks) for k in range(len(f), len(f) + len(c))],
+                 "last": [ends[r] - 1 for r in rows]}
+        if forks is not None:
+            parts.update(fork_parts(forks))
+        parts.update({f"cache.{k}": v for k, v in layout.parts.items()})
+        ints = ints_to_device(parts, self.device)
+        cache_ints = {k.removeprefix("cache."): v for k, v in ints.items() if k.startswith("cache.")}
+        with self.timer.phase(phase):
+            if self.capture is None:
+                hidden = self.policy.hidden_packed(ints["ids"][None], ints["positions"][None], self.cache, layout,
+                                                   cache_ints)
+            else:
+                with self.capture.record() as recorded:
+                    hidden = self.policy.hidden_packed(ints["ids"][None], ints["positions"][None], self.cache,
+                                                       layout, cache_ints)
+                output = self.capture.recorded_output(recorded)[0]
+                offset = 0
+                for r, n in enumerate(new):  # views: the packed output holds real tokens only
+                    if n:
+                        self.captured[r].append(output[offset:offset + n])
+                    offset += n
+        self.counts[f"{phase}_tokens"] += len(parts["ids"])
+        self.counts["calls"] += 1
         for fed, chunk in zip(self.fed, chunks):
             fed.extend(chunk)
-        last = [max(e - 1, 0) for e in itertools.accumulate(new)]
-        return hidden[0, torch.tensor(last, device=device)]
+        return hidden[0, ints["last"]], (Forks.on_device(forks, ints) if forks is not None else None)
 
-    def _prefill(self, slots: list, prompts: list[list[int]], cursors: list["Cursor"]) -> torch.Tensor:
+    def _prefill(self, slots: list, prompts: list[list[int]], cursors: list["Cursor"], rows: list[int],
+                 forks: list[list[int]] | None) -> tuple[torch.Tensor, Forks | None]:
         """Feed each row what its cache lacks of its prompt, plus the forced tokens up to its first
-        fork; return the hidden state there (the state the first decision and its value read). A row
-        whose prompt does not extend what it holds (its history was truncated) starts again from
-        position 0, in the same call."""
+        fork; return ``_feed``'s hidden states there for ``rows`` (the state the first decision and
+        its value read). A row whose prompt does not extend what it holds (its history was
+        truncated) starts again from position 0, in the same call."""
         self._select(slots)
         pending = []
         for r, (prompt, cursor) in enumerate(zip(prompts, cursors)):
@@ -182,31 +202,33 @@ class ConstrainedDecoder:
                 self.cache.restart(r)
                 self.fed[r], self.captured[r] = [], []
             pending.append(list(prompt[len(self.fed[r]):]) + cursor.new)
-        return self._feed(pending, "prefill")
+        return self._feed(pending, "prefill", rows, forks)
 
     @torch.no_grad()
     def act(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie], temperature: float = 1.0,
             greedy: bool = False, rngs: list[torch.Generator] | None = None, explore: float = 0.0) -> list[Action]:
         """One command per row. Sampling draws each row's randomness from its own CPU generator
         ``rngs[row]``, so a row's command depends on its generator alone, never on the batch.
-        ``explore`` mixes each fork's distribution with uniform (``mix_uniform``; sampling only)."""
+        ``explore`` mixes each fork's distribution with uniform (``mix_uniform``; sampling only).
+
+        One model call per fork level, and per call one copy to the device (``_feed``) and one back
+        (``choose``): the rows still choosing and their forks' children are known on the host
+        before the call that computes their hidden states."""
         temperature = recorded_temperature(temperature, greedy)
         if not greedy and (rngs is None or len(rngs) != len(slots)):
             raise ValueError("sampling needs one torch.Generator per row (rngs), or greedy=True")
         cursors = [Cursor(trie) for trie in tries]
-        hidden = self._prefill(slots, prompts, cursors)
-        while True:
-            live = [r for r, c in enumerate(cursors) if not c.done]
-            if not live:
-                break
-            start = time.perf_counter()
-            choose(self.policy, hidden[live], [cursors[r] for r in live], temperature, greedy,
-                   None if greedy else [rngs[r] for r in live], 0.0 if greedy else explore)
-            self.profile.choose_s += time.perf_counter() - start
+        live = [r for r, c in enumerate(cursors) if not c.done]
+        hidden, forks = self._prefill(slots, prompts, cursors, live, [cursors[r].children for r in live] or None)
+        while live:
+            with self.timer.phase("choose"):
+                choose(self.policy, hidden, forks, [cursors[r] for r in live], temperature, greedy,
+                       None if greedy else [rngs[r] for r in live], 0.0 if greedy else explore)
             chunks = [c.new if not c.done else [] for c in cursors]
             if not any(chunks):
                 break
-            hidden = self._feed(chunks, "fork")
+            live = [r for r, c in enumerate(cursors) if not c.done]
+            hidden, forks = self._feed(chunks, "fork", live, [cursors[r].children for r in live] or None)
         actions = [c.action(temperature) for c in cursors]
         if self.capture is not None:
             for action, fed, captured in zip(actions, self.fed, self.captured):
@@ -218,8 +240,8 @@ class ConstrainedDecoder:
         """The value estimate of each row's state, read where its first decision would be: the
         bootstrap value of an episode cut by the step limit."""
         cursors = [Cursor(trie) for trie in tries]
-        hidden = self._prefill(slots, prompts, cursors)
-        return self.policy.value(hidden).float().cpu().tolist()
+        hidden, _ = self._prefill(slots, prompts, cursors, list(range(len(slots))), None)
+        return self.policy.value(hidden).float().tolist()
 
 
 def recorded_temperature(temperature: float, greedy: bool) -> float:
@@ -245,8 +267,13 @@ class Cursor:
     def done(self) -> bool:
         return self.node.command is not None
 
+    @property
+    def children(self) -> list[int]:
+        """The current fork's children, sorted (the order the decision records)."""
+        return sorted(self.node.children)
+
     def choose(self, token: int, logprob: float, value: float, entropy: float = 0.0) -> None:
-        self.decisions.append(Decision(len(self.ids), sorted(self.node.children), token, logprob, value, entropy))
+        self.decisions.append(Decision(len(self.ids), self.children, token, logprob, value, entropy))
         self.ids.append(token)
         node = self.node.children[token]
         forced, self.node = self.trie.advance(node) if token != self.trie.end_id else ([], node)
@@ -268,27 +295,26 @@ def forced_action(trie: CommandTrie, command: str) -> Action:
     return cursor.action(1.0)
 
 
-def choose(policy: PolicyValueModel, last: torch.Tensor, cursors: list[Cursor], temperature: float, greedy: bool,
-           rngs: list[torch.Generator] | None, explore: float = 0.0) -> None:
+def choose(policy: PolicyValueModel, last: torch.Tensor, forks: Forks, cursors: list[Cursor], temperature: float,
+           greedy: bool, rngs: list[torch.Generator] | None, explore: float = 0.0) -> None:
     """Sample (or take the argmax of) each cursor's fork from the hidden states ``last`` and advance it.
 
-    Only the fork's children's logits are computed (``PolicyValueModel.logits_of``), on the device,
-    and moved to the CPU once, where each row draws from its own CPU generator. The log-probs are
-    ``log_softmax(logits[allowed] / T)``, what the update recomputes over the same allowed set.
+    Only the fork's children's logits are computed (``PolicyValueModel.logits_of``), on the device;
+    the values, entropies and log-probs come to the host in one copy (``.tolist()``), where each
+    row draws from its own CPU generator. The log-probs are ``log_softmax(logits[allowed] / T)``,
+    what the update recomputes over the same allowed set.
     """
-    values = policy.value(last).float().cpu()
-    children = [sorted(c.node.children) for c in cursors]
-    index, valid = fork_index(children, last.device)
-    logp = fork_logprobs(policy.logits_of(last, index), valid, temperature, explore).cpu()
-    spread = entropy(logp)
-    for i, cursor in enumerate(cursors):
+    logp = fork_logprobs(policy.logits_of(last, forks.index), forks.valid, temperature, explore)
+    table = torch.cat([policy.value(last).float()[:, None], entropy(logp)[:, None], logp], dim=1).tolist()
+    for cursor, row, n, rng in zip(cursors, table, forks.sizes, rngs or [None] * len(cursors)):
+        value, spread, lp = row[0], row[1], row[2: 2 + n]
         if greedy:
-            k = int(logp[i].argmax())
+            k = max(range(n), key=lambda j: lp[j])  # the first of equal maxima, as argmax
         else:  # inverse CDF with one uniform draw from this row's generator
-            cdf = logp[i, : len(children[i])].double().exp().cumsum(0)
-            u = torch.rand((), generator=rngs[i], dtype=torch.float64) * cdf[-1]
-            k = min(int(torch.searchsorted(cdf, u, right=True)), len(children[i]) - 1)
-        cursor.choose(children[i][k], float(logp[i, k]), float(values[i]), float(spread[i]))
+            cdf = torch.tensor(lp, dtype=torch.float64).exp().cumsum(0)
+            u = torch.rand((), generator=rng, dtype=torch.float64) * cdf[-1]
+            k = min(int(torch.searchsorted(cdf, u, right=True)), n - 1)
+        cursor.choose(cursor.children[k], lp[k], value, spread)
 
 
 class PromptCache:

@@ -16,6 +16,7 @@ command-line tools, which have no Trainer. All of them must agree with Lightning
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,3 +71,68 @@ def process_device(accelerator: str = "auto", devices: Any = 1, environ: Mapping
 def trainer_device(trainer, environ: Mapping[str, str] | None = None) -> torch.device:
     """``process_device`` for a ``TrainerConfig``."""
     return process_device(trainer.accelerator, trainer.devices, environ)
+
+
+def ints_to_device(parts: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host integer lists (token ids, positions, cache slots, fork children...) as int64 tensors on
+    ``device``, in ONE copy: concatenated, copied, split into views.
+
+    Each host list copied on its own is one synchronisation per list on a GPU (a copy from pageable
+    memory waits for it); a model call needs several. On CUDA the buffer is pinned and copied
+    without blocking: the host goes on queueing work (the caching host allocator keeps the pinned
+    block until the copy has run)."""
+    sizes = [len(v) for v in parts.values()]
+    flat = torch.tensor([x for v in parts.values() for x in v], dtype=torch.long)
+    device = torch.device(device)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return dict(zip(parts, flat.split(sizes)))
+
+
+class PhaseTimer:
+    """Seconds spent in named phases (``with timer.phase("prefill"): ...``), on the device's own
+    clock. On CUDA a host timer stops when the kernels are queued, not when they have run, so there
+    each phase records a pair of CUDA events and ``seconds`` reads them (one synchronisation, when
+    the figures are read); on a CPU the host clock is the device's."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.host: dict[str, float] = {}
+        self.events: dict[str, list] = {}
+
+    def phase(self, name: str):
+        return _CudaPhase(self, name) if self.cuda else _HostPhase(self, name)
+
+    def seconds(self, name: str) -> float:
+        if not self.cuda:
+            return self.host.get(name, 0.0)
+        pairs = self.events.get(name, [])
+        if pairs:
+            pairs[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in pairs) / 1000.0
+
+
+class _HostPhase:
+    def __init__(self, timer: PhaseTimer, name: str):
+        self.timer, self.name = timer, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.timer.host[self.name] = self.timer.host.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+class _CudaPhase:
+    def __init__(self, timer: PhaseTimer, name: str):
+        self.timer, self.name = timer, name
+
+    def __enter__(self):
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.start.record()
+
+    def __exit__(self, *exc):
+        self.end.record()
+        self.timer.events.setdefault(self.name, []).append((self.start, self.end))

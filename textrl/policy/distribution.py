@@ -10,17 +10,43 @@ apart: that is what keeps the first minibatch's ratio at exactly 1.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from textrl.policy.device import ints_to_device
+
+
+def fork_parts(allowed: list[list[int]]) -> dict[str, list[int]]:
+    """The host ints of forks with these allowed token ids, for ``ints_to_device``: each fork's
+    children padded to the widest by repeating its first, back to back, and each fork's size."""
+    width = max(len(a) for a in allowed)
+    return {"fork_index": [t for a in allowed for t in a + a[:1] * (width - len(a))],
+            "fork_sizes": [len(a) for a in allowed]}
+
+
+@dataclass
+class Forks:
+    """Forks on the device: one row per fork, its children padded to the widest (``index``), which
+    entries are real (``valid``), and each fork's size on the host."""
+
+    index: torch.Tensor  # [forks, width] long
+    valid: torch.Tensor  # [forks, width] bool
+    sizes: list[int]
+
+    @classmethod
+    def on_device(cls, allowed: list[list[int]], ints: dict[str, torch.Tensor]) -> "Forks":
+        """From ``fork_parts(allowed)`` already on the device (copied with a call's other ints)."""
+        sizes = [len(a) for a in allowed]
+        index = ints["fork_index"].view(len(allowed), max(sizes))
+        valid = torch.arange(index.shape[1], device=index.device)[None] < ints["fork_sizes"][:, None]
+        return cls(index, valid, sizes)
+
 
 def fork_index(allowed: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index, valid) of forks with these allowed token ids: one row per fork, padded to the widest
-    by repeating its first id, and which entries are real."""
-    width = max(len(a) for a in allowed)
-    index = torch.tensor([a + a[:1] * (width - len(a)) for a in allowed], device=device)
-    valid = torch.tensor([[k < len(a) for k in range(width)] for a in allowed], device=device)
-    return index, valid
+    """(index, valid) of forks with these allowed token ids, copied to ``device`` on their own."""
+    forks = Forks.on_device(allowed, ints_to_device(fork_parts(allowed), device))
+    return forks.index, forks.valid
 
 
 def fork_logprobs(logits: torch.Tensor, valid: torch.Tensor, temperature: float | torch.Tensor = 1.0,

@@ -32,7 +32,7 @@ def quantization_config(memory):
     """bitsandbytes 4-bit (NF4) loading for QLoRA, or None."""
     if not memory.quantize_4bit:
         return None
-    from transformers import BitsAndBytesConfig  # slow import, and QLoRA (CUDA only) is the one user
+    from transformers import BitsAndBytesConfig  # slow import, and QLoRA is the one user
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=torch.bfloat16)
@@ -77,4 +77,8 @@ def make_optimizer(lm_params: list, value_params: list, memory, lr_lm: float, lr
     manager = bnb.optim.GlobalOptimManager.get_instance()
     for param in value_params:  # the small value head keeps 32-bit states
         manager.override_config(param, "optim_bits", 32)
+    # bitsandbytes <= 0.49 reads overrides only by (group, parameter) index, which register_parameters
+    # fills from the overrides made so far: without it the value head silently got 8-bit states there
+    # (0.50 also looks overrides up by parameter). The group dicts, so the indices are (group, param).
+    manager.register_parameters(groups)
     return bnb.optim.AdamW8bit(groups, weight_decay=weight_decay)

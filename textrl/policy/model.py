@@ -27,6 +27,7 @@ from huggingface_hub import constants as hub_constants
 from torch import nn
 
 from textrl.config import ModelConfig, default_cache_dir, load_model_config
+from textrl.policy.device import process_device
 from textrl.policy.memory import apply_memory, quantization_config
 from textrl.policy.ragged_cache import routed_to_ragged
 
@@ -237,19 +238,25 @@ def without_dropout(config):
     return config
 
 
-def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None, quantization=None) -> nn.Module:
+def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None, quantization=None,
+            device: torch.device | None = None) -> nn.Module:
     """The causal LM in fp32 (mixed precision is applied at run time, never to the master weights),
-    with dropout off."""
+    with dropout off. On the CPU, for whoever moves it, except with ``quantization`` (4-bit QLoRA):
+    then on ``device`` (None: ``process_device()``), where bitsandbytes quantises it as it loads."""
     # slow import (transformers' model classes), kept to the functions that build or run a model:
     # the modules that import this one for its types do not pay for it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation(cfg)}
     if quantization is not None:
-        # 4-bit weights are quantised as they are placed, so load them straight onto this process's
-        # GPU (its local rank under DDP), as PEFT/TRL do for QLoRA; CUDA only (validate refuses a CPU)
+        # 4-bit weights are quantised as they are placed, so load them straight onto the device this
+        # process computes on (the caller's: the GPU Lightning gives this rank, or the CPU), as
+        # PEFT/TRL do for QLoRA. Only a pretrained model is quantised: validate refuses source=random
+        if cfg.source == "random":
+            raise ValueError("4-bit quantisation needs a pretrained model (model.source hub or gguf), "
+                             "not model.source=random")
         kwargs.update(quantization_config=quantization, dtype=torch.bfloat16,
-                      device_map={"": int(os.environ.get("LOCAL_RANK", 0))})
+                      device_map={"": device if device is not None else process_device()})
     if cfg.source == "random" and cfg.architecture:
         arch = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
                 "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
@@ -270,6 +277,12 @@ def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None, qu
     for module in lm.modules():  # layers whose rate does not come from the config
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        # bitsandbytes (0.50) repacks a 4-bit layer's weights, for good, into a CPU inference layout at
+        # its first forward in eval mode without gradients (on CPUs with AVX512-BF16: every rollout),
+        # and that layout's kernel has no backward: the update's gradients through the frozen 4-bit
+        # layers would silently be dropped (pinned by tests/test_qlora.py). Never repack.
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
     return lm
 
 
@@ -305,6 +318,14 @@ class PolicyValueModel(nn.Module):
 
         return DynamicCache(config=self.lm.config)
 
+    @property
+    def position_limit(self) -> int | None:
+        """The positions the LM was built for (``max_position_embeddings``; GPT-2's ``n_positions``
+        maps to it), or None where its config names none. A learned position table (GPT-2: 1,024)
+        has no row beyond it: ``textrl.games.prompt.fit_to_positions`` keeps the prompt within it."""
+        limit = getattr(self.lm.config.get_text_config(), "max_position_embeddings", None)
+        return int(limit) if isinstance(limit, int) and limit > 0 else None
+
     def hidden(self, input_ids, attention_mask, position_ids, past_key_values=None):
         """Last-layer hidden states for every input position, and the updated KV cache (if one is given).
 
@@ -322,13 +343,15 @@ class PolicyValueModel(nn.Module):
         )
         return out.last_hidden_state, out.past_key_values
 
-    def hidden_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, new: list[int]) -> torch.Tensor:
+    def hidden_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, new, ints=None) -> torch.Tensor:
         """Last-layer hidden states ``[1, tokens, dim]`` of one packed call: ``input_ids`` [1, tokens]
         holds row r's ``new[r]`` tokens after row r-1's, appended to row r of ``cache`` (a
         ``RaggedCache``: each row attends to its own positions only; the linear layers compute no padding).
-        The attention is ``ragged_attention`` for this call, whatever ``model.attn_implementation``
-        says: no other implementation knows the cache's layout."""
-        with routed_to_ragged(self.lm.config), cache.feeding(new):
+        ``new``: the tokens per row, or the cache's ``CallLayout`` for them, with its ints already on
+        the device (``ints``; ``RaggedCache.feeding``). The attention is ``ragged_attention`` for
+        this call, whatever ``model.attn_implementation`` says: no other implementation knows the
+        cache's layout."""
+        with routed_to_ragged(self.lm.config), cache.feeding(new, ints):
             out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, ragged=cache)
         return out.last_hidden_state
 
@@ -408,13 +431,21 @@ def freeze_below_top_layers(lm: nn.Module, n: int) -> None:
         param.requires_grad_(False)
 
 
-def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | Path | None = None, memory=None):
-    """(PolicyValueModel, tokenizer) for a model config, with the memory options applied."""
+def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | Path | None = None, memory=None,
+                 device: torch.device | None = None):
+    """(PolicyValueModel, tokenizer) for a model config, with the memory options applied.
+
+    The policy is on the CPU, for the caller to move, except under 4-bit QLoRA: bitsandbytes
+    quantises the LM as it loads it onto ``device`` (None: ``process_device()``), and the value
+    head is put beside it, so that every parameter and buffer of the policy is on one device."""
     tokenizer = load_tokenizer(cfg, cache_dir)
-    lm = load_lm(cfg, tokenizer, cache_dir, quantization_config(memory) if memory is not None else None)
+    quantization = quantization_config(memory) if memory is not None else None
+    lm = load_lm(cfg, tokenizer, cache_dir, quantization, device)
     if cfg.trainable_layers is not None:
         freeze_below_top_layers(lm, cfg.trainable_layers)
     if memory is not None:
         lm = apply_memory(lm, memory)
     policy = PolicyValueModel(lm, cfg.value_hidden, -step_penalty, cfg.detach_value)
+    if quantization is not None:  # the LM was loaded onto its device: the value head joins it
+        policy.value_head.to(next(lm.parameters()).device)
     return policy, tokenizer

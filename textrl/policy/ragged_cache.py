@@ -12,8 +12,8 @@ keys only.
 Storage: per layer one flat buffer of keys and one of values, ``[kv heads, capacity, head dim]``,
 in which every row owns a contiguous stretch with room to grow, so a call writes only its new
 tokens (``index_copy_``) and a row's keys are a view. When a row outgrows its stretch, all rows move
-to new stretches with half again their length to spare (``_relayout``, a copy of the cache, every
-few turns). Rows leave by being forgotten, and a row whose history was truncated starts again at
+to new stretches with half again their length to spare (a copy of the cache, every
+few turns; ``layout`` decides it, ``feeding`` copies). Rows leave by being forgotten, and a row whose history was truncated starts again at
 length 0 in its own stretch: no holes in the cache and no compaction.
 
 Attention per row is one SDPA call per row and layer: on a CPU, the cheapest (no padded query or
@@ -27,14 +27,31 @@ real tokens only. Both give the same result (tests/test_ragged_cache.py).
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
+
+from textrl.policy.device import ints_to_device
 
 RAGGED = "textrl_ragged"  # the attention implementation a call runs under while it feeds a RaggedCache
 # attention arguments some architectures pass that change what attention computes (Mistral's and
 # Gemma's sliding windows, Gemma 2's logit soft-capping, attention sinks, T5-style biases)
 UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "position_bias")
+
+
+@dataclass
+class CallLayout:
+    """One call's layout, decided on the host (``RaggedCache.layout``)."""
+
+    new: list[int]  # tokens appended to each row
+    ends: list[int]  # each row's length after the call
+    starts: list[int]  # each row's stretch in the buffers (new ones when rows were moved)
+    room: list[int]
+    spans: list[tuple[int, int, int, int]]  # per row fed: its queries q0:q1 in the call, its keys k0:k1
+    width: int  # the most tokens a row is fed
+    longest: int  # the longest row after the call
+    parts: dict[str, list[int]]  # the indices the call needs on the device
 
 
 class RaggedCache:
@@ -65,65 +82,79 @@ class RaggedCache:
         """Forget a row's positions: its next tokens are fed from position 0."""
         self.lengths[row] = 0
 
-    def _relayout(self, need: list[int]) -> None:
-        """Give every row a stretch of ``need`` and half again, copying what the rows hold."""
-        room = [-(-(n + n // 2) // 64) * 64 for n in need]
-        starts = [sum(room[:r]) for r in range(len(room))]
-        src = torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)] + [torch.zeros(0, dtype=torch.long)])
-        dst = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.lengths)] + [torch.zeros(0, dtype=torch.long)])
-        src, dst = src.to(self.device), dst.to(self.device)
-        for store in (self.keys, self.values):
-            for layer, old in store.items():
-                new = old.new_zeros(old.shape[0], sum(room), old.shape[2])
-                new[:, dst] = old[:, src]
-                store[layer] = new
-        self.starts, self.room, self.capacity = starts, room, sum(room)
-
-    @contextmanager
-    def feeding(self, new: list[int]):
-        """Inside, one model call appends ``new[r]`` tokens to row r (the call's input packs them in
-        row order) and every layer's ``ragged_attention`` reads this layout. The rows hold them after."""
+    def layout(self, new: list[int]) -> "CallLayout":
+        """The layout of one call that appends ``new[r]`` tokens to row r (the call's input packs them
+        in row order), decided on the host: every index it needs on the device is an int list in
+        ``CallLayout.parts``, which the caller copies together with its own in one transfer
+        (``textrl.policy.device.ints_to_device``). A row that outgrows its stretch gives every row a
+        stretch of what it will hold and half again (the copy runs in ``feeding``)."""
         if len(new) != self.rows:
             raise ValueError(f"{len(new)} rows fed, the cache has {self.rows}")
         ends = [n + k for n, k in zip(self.lengths, new)]
+        parts: dict[str, list[int]] = {}
+        starts, room = self.starts, self.room
         if any(e > r for e, r in zip(ends, self.room)):
-            self._relayout(ends)
-        dest = torch.cat([torch.arange(s + n, s + e) for s, n, e in zip(self.starts, self.lengths, ends)])
+            room = [-(-(n + n // 2) // 64) * 64 for n in ends]
+            starts = [sum(room[:r]) for r in range(len(room))]
+            parts["relayout_src"] = [i for s, n in zip(self.starts, self.lengths) for i in range(s, s + n)]
+            parts["relayout_dst"] = [i for s, n in zip(starts, self.lengths) for i in range(s, s + n)]
+        parts["dest"] = [i for s, n, e in zip(starts, self.lengths, ends) for i in range(s + n, s + e)]
         offsets = [0]
         for k in new:
             offsets.append(offsets[-1] + k)
-        call = {"dest": dest.to(self.device), "spans": [], "masks": []}
-        for r, k in enumerate(new):
-            if k:  # queries offsets[r]:offsets[r+1] attend to keys starts[r]:starts[r]+ends[r]
-                call["spans"].append((offsets[r], offsets[r + 1], self.starts[r], self.starts[r] + ends[r]))
-        if self.batched:
-            call.update(self._padded_layout(call["spans"]))
+        # queries offsets[r]:offsets[r+1] attend to keys starts[r]:starts[r]+ends[r]
+        spans = [(offsets[r], offsets[r + 1], starts[r], starts[r] + ends[r]) for r, k in enumerate(new) if k]
+        width = max((q1 - q0 for q0, q1, _, _ in spans), default=0)
+        longest = max((k1 - k0 for _, _, k0, k1 in spans), default=0)
+        if self.batched and spans:
+            parts["q0"], parts["n"] = [q0 for q0, _, _, _ in spans], [q1 - q0 for q0, q1, _, _ in spans]
+            parts["k0"], parts["length"] = [k0 for _, _, k0, _ in spans], [k1 - k0 for _, _, k0, k1 in spans]
+            parts["packed"] = [b * width + i for b, (q0, q1, _, _) in enumerate(spans) for i in range(q1 - q0)]
+        return CallLayout(new, ends, starts, room, spans, width, longest, parts)
+
+    @contextmanager
+    def feeding(self, call: "CallLayout | list[int]", ints: dict[str, torch.Tensor] | None = None):
+        """Inside, one model call appends ``call.new[r]`` tokens to row r and every layer's
+        ``ragged_attention`` reads this layout. ``ints``: ``call.parts`` on the device (None: copied
+        here, for a caller that has nothing of its own to send). The rows hold the tokens after."""
+        if not isinstance(call, CallLayout):
+            call = self.layout(call)
+        if ints is None:
+            ints = ints_to_device(call.parts, self.device)
+        if "relayout_src" in ints:  # rows moved to their new stretches
+            for store in (self.keys, self.values):
+                for layer, old in store.items():
+                    moved = old.new_zeros(old.shape[0], sum(call.room), old.shape[2])
+                    moved[:, ints["relayout_dst"]] = old[:, ints["relayout_src"]]
+                    store[layer] = moved
+            self.capacity = sum(call.room)
+        self.starts, self.room = call.starts, call.room
+        state = {"dest": ints["dest"], "spans": call.spans, "masks": []}
+        if self.batched and call.spans:
+            state.update(self._padded_layout(call, ints))
         else:  # bottom-right causal: new token i of k sees the row's first length - k + i + 1 positions
-            call["masks"] = [None if q1 - q0 == 1 else
-                             torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=self.device).tril(k1 - k0 - (q1 - q0))
-                             for q0, q1, k0, k1 in call["spans"]]
-        self._call = call
+            state["masks"] = [None if q1 - q0 == 1 else
+                              torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=self.device).tril(k1 - k0 - (q1 - q0))
+                              for q0, q1, k0, k1 in call.spans]
+        self._call = state
         try:
             yield
         finally:
             self._call = None
-        self.lengths = ends
+        self.lengths = call.ends
 
-    def _padded_layout(self, spans) -> dict:
+    def _padded_layout(self, call: "CallLayout", ints: dict[str, torch.Tensor]) -> dict:
         """Index tensors that gather the call's rows into one padded batch and back (``batched``),
-        built on the device from the rows' sizes: a padded query repeats its row's last one (its
+        computed on the device from the rows' sizes: a padded query repeats its row's last one (its
         output is dropped) and a padded key its row's last position (masked), so every index is
         real and no query row is fully masked."""
-        q0, q1, k0, k1 = (torch.tensor(x, device=self.device) for x in zip(*spans))
-        n, length = q1 - q0, k1 - k0
-        width, longest = int(max(b - a for a, b, _, _ in spans)), int(max(d - c for _, _, c, d in spans))
-        i = torch.minimum(torch.arange(width, device=self.device)[None], n[:, None] - 1)  # [rows, width]
-        j = torch.arange(longest, device=self.device)[None]  # [1, longest]
+        q0, n, k0, length = ints["q0"], ints["n"], ints["k0"], ints["length"]
+        i = torch.minimum(torch.arange(call.width, device=self.device)[None], n[:, None] - 1)  # [rows, width]
+        j = torch.arange(call.longest, device=self.device)[None]  # [1, longest]
         # bottom-right causal: query i of a row's n sees its first length - n + i + 1 keys
         mask = j[:, None] <= (i + (length - n)[:, None])[:, :, None]  # [rows, width, longest]
-        packed = torch.cat([torch.arange(b * width, b * width + (q - p)) for b, (p, q, _, _) in enumerate(spans)])
         return {"q_index": q0[:, None] + i, "kv_index": k0[:, None] + torch.minimum(j, length[:, None] - 1),
-                "mask": mask[:, None], "packed": packed.to(self.device)}
+                "mask": mask[:, None], "packed": ints["packed"]}
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the call's new keys and values ``[kv heads, tokens, head dim]`` into the rows' stretches."""

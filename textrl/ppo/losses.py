@@ -58,6 +58,12 @@ class PPOTerms:
     log_ratio: torch.Tensor  # per decision (detached): rollout/update agreement on fresh data
     kl_ref: torch.Tensor  # exact KL(policy || reference) over the allowed tokens, summed (0 without one)
 
+    @classmethod
+    def none(cls, loss: torch.Tensor) -> "PPOTerms":
+        """The terms of a minibatch with no decisions (a DDP rank with no sequences), with ``loss``."""
+        zero = torch.zeros((), device=loss.device)
+        return cls(loss, zero, zero, zero, zero, zero, zero, torch.zeros(0, device=loss.device), zero)
+
 
 def ppo_loss(mb: DecisionBatch, coefs: LossCoefs, normalizer: float) -> PPOTerms:
     """Clipped PPO loss of a minibatch's decisions, summed and divided by ``normalizer``.

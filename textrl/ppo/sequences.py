@@ -20,9 +20,10 @@ from typing import NamedTuple
 
 import torch
 
-from textrl.policy.distribution import fork_index
+from textrl.policy.device import ints_to_device
+from textrl.policy.distribution import Forks, fork_parts
 from textrl.policy.frozen_prefix import FrozenPrefix
-from textrl.policy.model import PolicyValueModel
+from textrl.policy.model import SDPA, PolicyValueModel
 from textrl.rollout import Episode
 
 
@@ -127,7 +128,7 @@ class PrefixOutputs:
 
 class ForkOutputs(NamedTuple):
     """A forward's outputs at the decisions of a batch of sequences, flat in order. Each fork's
-    allowed tokens are one row, padded to the widest fork (``fork_index``; ``valid`` marks the
+    allowed tokens are one row, padded to the widest fork (``Forks``; ``valid`` marks the
     real entries): the logits of the rest of the vocabulary are never computed, as in the
     rollout (``PolicyValueModel.logits_of``)."""
 
@@ -136,6 +137,7 @@ class ForkOutputs(NamedTuple):
     chosen: torch.Tensor  # [decisions] long: the entry (column) of the token taken
     values: torch.Tensor  # [decisions]
     fed: int  # real tokens fed (padding left out)
+    decisions: torch.Tensor  # [decisions] long, on the device: where they sit in the iteration's flat tensors
 
 
 def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pad_id: int,
@@ -143,17 +145,26 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
     """One right-padded forward over the sequences: the logits of each decision's allowed tokens
     and its value. Shared by the PPO update and the warm start.
 
+    Everything it needs from the host (token ids, lengths, where each decision reads the hidden
+    states, the forks' children, the tokens taken, the decisions' places) goes to the device in one
+    copy (``ints_to_device``); the padding mask is built there from the lengths.
+
     With ``prefix``, a batch whose sequences all have a recorded frozen-block output skips the
     frozen blocks; any other batch runs in full and records it in ``prefix`` for later forwards."""
     device = next(policy.parameters()).device
-    width = max(len(s.input_ids) for s in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, s in enumerate(batch):  # right padding: positions are plain 0..n-1, as in the rollout
-        ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
-        mask[r, : len(s.input_ids)] = 1
-    positions = torch.arange(width)[None].expand_as(ids)
-    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    lengths = [len(s.input_ids) for s in batch]
+    width = max(lengths)
+    allowed = [a for s in batch for a in s.allowed]
+    ints = ints_to_device({
+        "ids": [t for s in batch for t in s.input_ids + [pad_id] * (width - len(s.input_ids))],
+        "lengths": lengths,
+        "at": [r * width + c for r, s in enumerate(batch) for c in s.positions],  # the hidden state each decision reads
+        "chosen": [a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))],
+        "decisions": [k for s in batch for k in s.decisions],
+        **fork_parts(allowed)}, device)
+    ids = ints["ids"].view(len(batch), width)
+    positions = torch.arange(width, device=device)[None].expand_as(ids)  # right padding: plain 0..n-1, as in the rollout
+    mask = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None
     if prefix is None:
         hidden, _ = policy.hidden(ids, mask, positions)
     elif all(prefix.outputs[s.index] is not None for s in batch):
@@ -167,18 +178,24 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
         output = prefix.frozen.recorded_output(recorded)
         for r, s in enumerate(batch):
             prefix.outputs[s.index] = output[r, : len(s.input_ids)].detach()
-    rows = torch.tensor([r for r, s in enumerate(batch) for _ in s.positions], device=device)
-    cols = torch.tensor([c for s in batch for c in s.positions], device=device)
-    h = hidden[rows, cols]
-    allowed = [a for s in batch for a in s.allowed]
-    index, valid = fork_index(allowed, device)
-    chosen = torch.tensor([a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))], device=device)
-    return ForkOutputs(policy.logits_of(h, index), valid, chosen, policy.value(h), int(mask.sum()))
+    h = hidden.flatten(0, 1)[ints["at"]]
+    forks = Forks.on_device(allowed, ints)
+    return ForkOutputs(policy.logits_of(h, forks.index), forks.valid, ints["chosen"], policy.value(h), sum(lengths),
+                       ints["decisions"])
 
 
-def decision_indices(batch: list[TrainingSequence]) -> torch.Tensor:
-    """Where the batch's decisions sit in the iteration's flat decision tensors, in forward order."""
-    return torch.tensor([k for s in batch for k in s.decisions], dtype=torch.long)
+def padding_mask(policy: PolicyValueModel, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """The attention mask of right-padded rows of ``lengths`` (on the device). For SDPA, the
+    4-D boolean mask itself (causal, padded keys masked), which transformers uses as given: from
+    a 2-D mask it would build the same one, after reading the mask on the host twice to see whether
+    it may skip it (two synchronisations per forward on a GPU). Other attention implementations
+    (eager, flash attention) get the 2-D mask they build their own from."""
+    position = torch.arange(width, device=lengths.device)
+    real = position[None] < lengths[:, None]  # [rows, width]
+    if policy.lm.config._attn_implementation not in ("sdpa", SDPA):
+        return real.long()
+    causal = position[None, :] <= position[:, None]  # [query, key]
+    return (causal[None] & real[:, None, :])[:, None]  # [rows, 1, query, key]
 
 
 def optimizer_steps(sequences: list[TrainingSequence], minibatch_size: int, grad_accum: int, epochs: int,

@@ -11,10 +11,10 @@ It is a plain object: the LightningModule hands it Lightning's backward and cros
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-import time
-from collections import defaultdict
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -22,6 +22,7 @@ import torch
 
 from textrl.config import PPOConfig
 from textrl.errors import NonFiniteError
+from textrl.policy.device import PhaseTimer
 from textrl.policy.distribution import fork_logprobs
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
@@ -29,12 +30,14 @@ from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.advantages import rollout_advantages
 from textrl.ppo.losses import DecisionBatch, LossCoefs, PPOTerms, correlation, explained_variance, ppo_loss
 from textrl.ppo.sequences import (ForkOutputs, PrefixOutputs, RolloutDecisions, TrainingSequence, decision_forward,
-                                  decision_indices, optimizer_steps, training_sequences)
+                                  optimizer_steps, training_sequences)
 from textrl.rollout import Episode, iteration_rng
 
 log = logging.getLogger(__name__)
 
-Minibatch = list[TrainingSequence]
+# a rank with no sequences of its own still runs the steps every rank runs (DDP): its minibatches
+# hold None, and their loss is a zero that reaches every trainable weight (``PPOUpdate.loss``)
+Minibatch = list[TrainingSequence | None]
 OptimizerStep = list[Minibatch]  # the minibatches one optimizer step accumulates
 
 
@@ -50,12 +53,16 @@ class Runtime:
     # fp16 loss scaling: gradients are still multiplied by the scale when they are clipped, and the
     # scaler skips steps with non-finite gradients itself; None without a scaler
     loss_scale: Callable[[], float | None] = lambda: None
+    # inside, a backward accumulates without the ranks' gradient all-reduce (DDP's no_sync): every
+    # backward of an optimizer step but its last
+    no_sync: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
 
 @dataclass
 class Targets:
     """What one iteration's loss compares against, fixed before the first optimizer step: flat over
-    the rollout's decisions (``TrainingSequence.decisions`` indexes them)."""
+    the rollout's decisions (``TrainingSequence.decisions`` indexes them), float32 on the policy's
+    device (copied there once per iteration, never per minibatch)."""
 
     old_logprobs: torch.Tensor  # [decisions]
     old_values: torch.Tensor  # [decisions]
@@ -79,58 +86,75 @@ class IterationData:
         return self.rollout.sequences
 
 
+TERMS = ("policy", "value", "entropy", "approx_kl", "clipped", "ratio", "kl_ref")  # PPOTerms summed over decisions
+
+
 @dataclass
 class IterationStats:
-    """The update's figures for one iteration; ``metrics()`` names them."""
+    """The update's figures for one iteration; ``metrics()`` names them. Sums stay on the device
+    while the update runs and are read once, by ``metrics()``."""
 
     coefs: LossCoefs
     uses_value: bool
-    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # over all minibatches
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # TERMS over all minibatches, grad_norm[_value]
+    decisions: int = 0  # decisions of the taken steps
+    steps: int = 0  # optimizer steps taken
+    skipped_steps: int = 0  # skipped for a non-finite gradient
     first_logratio: torch.Tensor | None = None  # first minibatch: fresh data, unchanged weights
-    rollout_logratio_max: float | None = None  # recomputed old log-probs vs the rollout's
-    old_values: torch.Tensor | None = None
+    rollout_logratio_max: torch.Tensor | None = None  # recomputed old log-probs vs the rollout's
+    old_values: torch.Tensor | None = None  # host copies, for the value figures
     returns: torch.Tensor | None = None
     tokens: int = 0  # real tokens the update's forwards fed
-    seconds: dict[str, float] = field(default_factory=dict)  # recompute, reference, update
+    timer: PhaseTimer | None = None  # recompute, reference, update
 
-    def add_step(self, minibatches: list[tuple[PPOTerms, int]], norms: tuple[float, float]) -> None:
+    def __post_init__(self):
+        self.sums = {k: torch.zeros((), device=self.device) for k in (*TERMS, "grad_norm", "grad_norm_value")}
+        self.timer = self.timer or PhaseTimer(self.device)
+
+    def add_step(self, minibatches: list[tuple[PPOTerms, int]], norms: torch.Tensor) -> None:
         """A taken optimizer step: its minibatches' loss terms and the tokens their forwards fed, and
-        its gradient norms (before clipping)."""
+        its gradient norms (before clipping, [LM, value head] on the device)."""
         for terms, fed in minibatches:
-            for key in ("policy", "value", "entropy", "approx_kl", "clipped", "ratio", "kl_ref"):
-                self.sums[key] += float(getattr(terms, key))
-            self.sums["decisions"] += terms.log_ratio.numel()
+            for key in TERMS:
+                self.sums[key] = self.sums[key] + getattr(terms, key)
+            self.decisions += terms.log_ratio.numel()
             self.tokens += fed
-            if self.first_logratio is None:
+            if self.first_logratio is None and terms.log_ratio.numel():
                 self.first_logratio = terms.log_ratio.abs()
-        self.sums["grad_norm"] += norms[0]
-        self.sums["grad_norm_value"] += norms[1]
-        self.sums["steps"] += 1
+        self.sums["grad_norm"] = self.sums["grad_norm"] + norms[0]
+        self.sums["grad_norm_value"] = self.sums["grad_norm_value"] + norms[1]
+        self.steps += 1
 
     def metrics(self) -> dict[str, float]:
-        s, c = self.sums, self.coefs
-        n, steps = max(s["decisions"], 1.0), max(s["steps"], 1.0)
-        first = self.first_logratio if self.first_logratio is not None else torch.zeros(1)
+        first = self.first_logratio if self.first_logratio is not None else torch.zeros(1, device=self.device)
+        extra = {"first_max": first.max(), "first_mean": first.mean()}
+        if self.rollout_logratio_max is not None:
+            extra["rollout_logratio_max"] = self.rollout_logratio_max
+        names = [*self.sums, *extra]
+        s = dict(zip(names, torch.stack([*self.sums.values(), *extra.values()]).float().tolist()))  # one read
+        c, n, steps = self.coefs, max(self.decisions, 1), max(self.steps, 1)
+        update_s = self.timer.seconds("update")
         out = {
             "loss/policy": s["policy"] / n, "loss/entropy": s["entropy"] / n,
             "loss/total": (s["policy"] + c.vf_coef * s["value"] - c.ent_coef * s["entropy"] + c.kl_coef * s["kl_ref"]) / n,
             "policy/approx_kl": s["approx_kl"] / n, "policy/clipfrac": s["clipped"] / n,
             "policy/ratio_mean": s["ratio"] / n,
-            "policy/first_logratio_max": float(first.max()), "policy/first_logratio_mean": float(first.mean()),
+            "policy/first_logratio_max": s["first_max"], "policy/first_logratio_mean": s["first_mean"],
             "optim/grad_norm": s["grad_norm"] / steps, "optim/grad_norm_value": s["grad_norm_value"] / steps,
-            "optim/skipped_steps": s["skipped_steps"],
-            "perf/update_s": self.seconds["update"], "perf/update_tokens": float(self.tokens),
-            "perf/tokens_per_s": self.tokens / max(self.seconds["update"], 1e-9),
+            "optim/skipped_steps": float(self.skipped_steps),
+            "perf/update_s": update_s, "perf/update_tokens": float(self.tokens),
+            "perf/tokens_per_s": self.tokens / max(update_s, 1e-9),
         }
         if self.uses_value:
             out["loss/value"] = s["value"] / n
             out["value/explained_variance"] = explained_variance(self.old_values, self.returns)
             out["value/corr"] = correlation(self.old_values, self.returns)
         if self.rollout_logratio_max is not None:
-            out["perf/recompute_s"] = self.seconds["recompute"]
-            out["policy/rollout_logratio_max"] = self.rollout_logratio_max
+            out["perf/recompute_s"] = self.timer.seconds("recompute")
+            out["policy/rollout_logratio_max"] = s["rollout_logratio_max"]
         if c.kl_coef > 0:
-            out["perf/reference_s"] = self.seconds["reference"]
+            out["perf/reference_s"] = self.timer.seconds("reference")
             out["policy/kl_ref"] = s["kl_ref"] / n
         return out
 
@@ -148,113 +172,119 @@ class PPOUpdate:
                                ppo.explore)
         self.skipped_in_a_row = 0  # optimizer steps skipped for non-finite gradients, across iterations
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
     def run(self, episodes: list[Episode], iteration: int, optimizer) -> IterationStats:
         """Update the policy on one rollout's episodes with ``optimizer`` (its two parameter groups:
         the LM's trainable parameters, then the value head's)."""
-        stats = IterationStats(self.coefs, self.uses_value)
+        stats = IterationStats(self.coefs, self.uses_value, self.device)
         data = self.prepare(episodes, iteration, stats)  # sequences, old log-probs, reference, advantages
 
-        start = time.perf_counter()
-        for step, normalizer in zip(data.steps, self.step_normalizers(data.steps)):
-            minibatches = []
-            for minibatch in step:
-                terms, fed = self.loss(minibatch, data, normalizer)
-                self.runtime.backward(terms.loss)
-                minibatches.append((terms, fed))
-            norms = self.clip_gradients(optimizer)
-            if self.step_is_finite(norms):
-                optimizer.step()
-                stats.add_step(minibatches, norms)
-            else:  # a non-finite loss or gradient never reaches the weights
-                stats.sums["skipped_steps"] += 1
-            optimizer.zero_grad(set_to_none=True)
-        self.check_weights()
-        stats.seconds["update"] = time.perf_counter() - start
+        with stats.timer.phase("update"):
+            for step, normalizer in zip(data.steps, self.step_normalizers(data.steps)):
+                minibatches = []
+                for k, minibatch in enumerate(step):
+                    # gradients accumulate locally; DDP all-reduces them once, at the step's last backward
+                    with self.runtime.no_sync() if k < len(step) - 1 else contextlib.nullcontext():
+                        terms, fed = self.loss(minibatch, data, normalizer)
+                        self.runtime.backward(terms.loss)
+                    minibatches.append((terms, fed))
+                norms = self.clip_gradients(optimizer)
+                if self.step_is_finite(norms.tolist()):  # the step's one read on the host
+                    optimizer.step()
+                    stats.add_step(minibatches, norms)
+                else:  # a non-finite loss or gradient never reaches the weights
+                    stats.skipped_steps += 1
+                optimizer.zero_grad(set_to_none=True)
+            self.check_weights()
         return stats
 
     def prepare(self, episodes: list[Episode], iteration: int, stats: IterationStats | None = None) -> IterationData:
         """Everything the optimizer steps need, fixed before the first one: the sequences and their
         schedule, the old log-probs and values, the KL anchor's log-probs, the advantages."""
-        p, stats = self.ppo, stats or IterationStats(self.coefs, self.uses_value)
+        p, stats = self.ppo, stats or IterationStats(self.coefs, self.uses_value, self.device)
         rollout = training_sequences(episodes)
         prefix = PrefixOutputs(self.frozen, rollout.prefix_outputs) if self.frozen is not None else None
         sequences = self.equalize_across_ranks(rollout.sequences)
         steps = optimizer_steps(sequences, p.minibatch_size, p.grad_accum, p.epochs, iteration_rng(self.seed, iteration))
-        first_pass = steps[: len(steps) // p.epochs]  # every pass has the same number of steps
+        first_pass = [[mb for mb in step if mb[0] is not None] for step in steps[: len(steps) // p.epochs]]
 
+        # what the rollout recorded, on the device in one copy
+        sampled, old_values, temperatures = torch.stack([rollout.logprobs, rollout.values, rollout.temperatures]).to(self.device)
         # old log-probs and values: the rollout's, or under mixed precision the update's own forward's
-        start = time.perf_counter()
-        old_logprobs, old_values = rollout.logprobs, rollout.values
+        old_logprobs = sampled
         if p.recompute_old:
-            old_logprobs, old_values = self.recompute_old(first_pass, rollout, prefix)
-            stats.rollout_logratio_max = float((old_logprobs - rollout.logprobs).abs().max()) if rollout.count else 0.0
-        stats.seconds["recompute"] = time.perf_counter() - start
-        start = time.perf_counter()
-        ref_logprobs = self.reference_logprobs(first_pass, rollout, prefix) if self.reference is not None else None
-        stats.seconds["reference"] = time.perf_counter() - start
+            with stats.timer.phase("recompute"):
+                old_logprobs, old_values = self.recompute_old(first_pass, sampled, old_values, temperatures, prefix)
+            stats.rollout_logratio_max = (old_logprobs - sampled).abs().max() if rollout.count else sampled.new_zeros(())
+        ref_logprobs = None
+        if self.reference is not None:
+            with stats.timer.phase("reference"):
+                ref_logprobs = self.reference_logprobs(first_pass, rollout, temperatures, prefix)
 
-        advantages, returns = rollout_advantages(episodes, old_values, p.gamma, p.lam, p.advantage,
+        # GAE runs over the episodes' turns on the host: the old values' one read per iteration
+        host_values = old_values.cpu()
+        advantages, returns = rollout_advantages(episodes, host_values, p.gamma, p.lam, p.advantage,
                                                  p.normalize_advantages)
-        stats.old_values, stats.returns = old_values, returns.float()
-        targets = Targets(old_logprobs, old_values, advantages, returns, rollout.temperatures, ref_logprobs)
+        stats.old_values, stats.returns = host_values, returns.float()
+        advantages, returns = torch.stack([advantages, returns]).float().to(self.device)
+        targets = Targets(old_logprobs, old_values, advantages, returns, temperatures, ref_logprobs)
         return IterationData(rollout, steps, targets, prefix)
 
     def loss(self, minibatch: Minibatch, data: IterationData, normalizer: float) -> tuple[PPOTerms, int]:
         """The minibatch's PPO loss (its share of an optimizer step of ``normalizer`` decisions) and
-        the real tokens its forward fed."""
+        the real tokens its forward fed. A rank with no sequences (``Minibatch``) gets a zero loss over
+        every trainable weight: its backward joins the ranks' gradient all-reduce with zeros."""
+        if minibatch[0] is None:
+            zero = sum(q.sum() for q in self.policy.parameters() if q.requires_grad) * 0.0
+            return PPOTerms.none(zero), 0
         out = decision_forward(self.policy, minibatch, self.pad_id, data.prefix)
-        return ppo_loss(self.batch(out, minibatch, data.targets), self.coefs, normalizer), out.fed
+        return ppo_loss(self.batch(out, data.targets), self.coefs, normalizer), out.fed
 
     # ---- the pieces run() calls ---------------------------------------------------------------
-    def batch(self, out: ForkOutputs, minibatch: Minibatch, targets: Targets) -> DecisionBatch:
-        """The minibatch's forward outputs beside its decisions' targets, on the forward's device."""
-        idx = decision_indices(minibatch)
-        device = out.logits.device
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t[idx].to(device=device, dtype=torch.float32)
-
-        ref = None
-        if targets.ref_logprobs is not None:
-            ref = targets.ref_logprobs[idx, : out.logits.shape[1]].to(device)
+    def batch(self, out: ForkOutputs, targets: Targets) -> DecisionBatch:
+        """The minibatch's forward outputs beside its decisions' targets, all on the forward's
+        device (``out.decisions`` indexes the iteration's targets there)."""
+        idx = out.decisions
+        ref = targets.ref_logprobs[idx, : out.logits.shape[1]] if targets.ref_logprobs is not None else None
         return DecisionBatch(logits=out.logits, valid=out.valid, chosen=out.chosen,
-                             temperatures=take(targets.temperatures), old_logprobs=take(targets.old_logprobs),
-                             advantages=take(targets.advantages), values=out.values, returns=take(targets.returns),
+                             temperatures=targets.temperatures[idx], old_logprobs=targets.old_logprobs[idx],
+                             advantages=targets.advantages[idx], values=out.values, returns=targets.returns[idx],
                              ref_logprobs=ref)
 
-    def forward_logprobs(self, minibatch: Minibatch, temperatures: torch.Tensor,
-                      prefix: PrefixOutputs | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward_logprobs(self, minibatch: Minibatch, temperatures: torch.Tensor, prefix: PrefixOutputs | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """No-grad forward: each decision's log-probs over its fork's children at its temperature,
-        the chosen entry's, and the values."""
+        the chosen entry's, the values, and where the decisions sit in the iteration's tensors."""
         out = decision_forward(self.policy, minibatch, self.pad_id, prefix)
-        temps = temperatures[decision_indices(minibatch)].to(out.logits.device)
-        logp = fork_logprobs(out.logits, out.valid, temps[:, None], self.ppo.explore)
-        return logp, logp.gather(1, out.chosen[:, None]).squeeze(1), out.values
+        logp = fork_logprobs(out.logits, out.valid, temperatures[out.decisions][:, None], self.ppo.explore)
+        return logp, logp.gather(1, out.chosen[:, None]).squeeze(1), out.values, out.decisions
 
     @torch.no_grad()
-    def recompute_old(self, steps: list[OptimizerStep], rollout: RolloutDecisions,
-                      prefix: PrefixOutputs | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def recompute_old(self, steps: list[OptimizerStep], logprobs: torch.Tensor, values: torch.Tensor,
+                      temperatures: torch.Tensor, prefix: PrefixOutputs | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The old log-probs and values from the update's own forward, over the first pass's
         minibatches (the same shapes the first update sees): under mixed precision the rollout's
         packed calls round differently, and the first ratio would not be 1."""
-        logprobs, values = rollout.logprobs.clone(), rollout.values.clone()
+        logprobs, values = logprobs.clone(), values.clone()
         for minibatch in (mb for step in steps for mb in step):
-            _, chosen, v = self.forward_logprobs(minibatch, rollout.temperatures, prefix)
-            idx = decision_indices(minibatch)
-            logprobs[idx], values[idx] = chosen.float().cpu(), v.float().cpu()
+            _, chosen, v, idx = self.forward_logprobs(minibatch, temperatures, prefix)
+            logprobs[idx], values[idx] = chosen.float(), v.float()
         return logprobs, values
 
     @torch.no_grad()
-    def reference_logprobs(self, steps: list[OptimizerStep], rollout: RolloutDecisions,
+    def reference_logprobs(self, steps: list[OptimizerStep], rollout: RolloutDecisions, temperatures: torch.Tensor,
                            prefix: PrefixOutputs | None) -> torch.Tensor:
         """Each decision's log-probs over its fork's children under the KL anchor's reference
         policy, [decisions, widest fork] with -inf at the padding; fixed for the iteration."""
         width = max((len(a) for s in rollout.sequences for a in s.allowed), default=1)
-        ref = torch.full((rollout.count, width), float("-inf"))
+        ref = torch.full((rollout.count, width), float("-inf"), device=self.device)
         with self.reference.active(self.policy.lm):
             for minibatch in (mb for step in steps for mb in step):
-                logp, _, _ = self.forward_logprobs(minibatch, rollout.temperatures, prefix)
-                ref[decision_indices(minibatch), : logp.shape[1]] = logp.float().cpu()
+                logp, _, _, idx = self.forward_logprobs(minibatch, temperatures, prefix)
+                ref[idx, : logp.shape[1]] = logp.float()
         return ref
 
     def step_is_finite(self, norms: tuple[float, float]) -> bool:
@@ -284,31 +314,38 @@ class PPOUpdate:
 
     def step_normalizers(self, steps: list[OptimizerStep]) -> list[float]:
         """Per optimizer step, the number of decisions it holds over all ranks, divided by the world
-        size (DDP averages the ranks' gradients): the step's gradient is then the mean over its decisions."""
-        device = next(self.policy.parameters()).device
-        counts = torch.tensor([float(sum(len(s.tokens) for mb in step for s in mb)) for step in steps], device=device)
+        size (DDP averages the ranks' gradients): the step's gradient is then the mean over its decisions.
+        Every rank has the same steps (``equalize_across_ranks``), so the reduced tensors match."""
+        counts = [float(sum(len(s.tokens) for mb in step for s in mb if s is not None)) for step in steps]
         world = self.runtime.world_size()
-        if world > 1:
-            counts = self.runtime.all_reduce(counts, "sum") / world
-        return [max(float(c), 1e-9) for c in counts]
+        if world > 1:  # one reduction and one read per iteration
+            counts = (self.runtime.all_reduce(torch.tensor(counts, device=self.device), "sum") / world).tolist()
+        return [max(c, 1e-9) for c in counts]
 
-    def equalize_across_ranks(self, sequences: list[TrainingSequence]) -> list[TrainingSequence]:
+    def equalize_across_ranks(self, sequences: list[TrainingSequence]) -> Minibatch:
         """DDP needs the same number of backward passes on every rank: a rank with fewer sequences
-        repeats some of its own (in order) up to the largest count."""
-        if self.runtime.world_size() == 1 or not sequences:
+        repeats some of its own (in order) up to the largest count, and a rank with none holds that
+        many None (``loss`` gives them a zero loss). Every rank joins the reduction, whatever its share."""
+        if self.runtime.world_size() == 1:
             return sequences
-        device = next(self.policy.parameters()).device
-        count = self.runtime.all_reduce(torch.tensor(len(sequences), device=device), "max")
-        return [sequences[i % len(sequences)] for i in range(int(count))]
+        count = int(self.runtime.all_reduce(torch.tensor(len(sequences), device=self.device), "max"))
+        if not sequences:
+            return [None] * count
+        return [sequences[i % len(sequences)] for i in range(count)]
 
-    def clip_gradients(self, optimizer) -> tuple[float, float]:
+    def clip_gradients(self, optimizer) -> torch.Tensor:
         """Clip the LM's and the value head's gradient norms separately, each at ``max_grad_norm``:
         clipped together, the larger one (usually the LM's) would scale the other down, and
-        ``vf_coef`` would act only through the clip. Returns both norms before clipping."""
+        ``vf_coef`` would act only through the clip. Returns both norms before clipping, [LM, value
+        head], on the device (read once per step, by ``run``)."""
         # fp16: gradients are still multiplied by the loss scale here (the precision plugin
         # unscales inside step()); clipping the scaled norm at max_norm * scale is the same clip
         scale = self.runtime.loss_scale() or 1.0
         max_norm = self.ppo.max_grad_norm * scale
-        lm, value = (group["params"] for group in optimizer.param_groups)
-        return (float(torch.nn.utils.clip_grad_norm_(lm, max_norm)) / scale,
-                float(torch.nn.utils.clip_grad_norm_(value, max_norm)) / scale)
+        norms = []
+        for group in optimizer.param_groups:  # the LM's, then the value head's
+            params = [q for q in group["params"] if q.grad is not None]
+            # no gradient (the value head under group baselines): norm 0, made on the device
+            norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm) if params
+                         else torch.zeros((), device=self.device))
+        return torch.stack(norms).float() / scale

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from textrl.config import EnvConfig, TrainConfig, load_env_config, training_game_count
 from textrl.games.pool import GamePool, GameSpec
+from textrl.games.prompt import fit_to_positions
 from textrl.rollout import iteration_rng
 
 
@@ -36,13 +37,19 @@ class Curriculum:
         self.lost: list[str] = []
         self.train_games: list[Path] = []  # the current stage's training pool
         self.eval_games: list[Path] = []  # env's held-out games (evaluation never changes stage)
+        # each stage's games shown with env's prompt settings, and its own prompt budget
+        self.stage_envs = [load_env_config(s).with_prompt_of(cfg.env) for s in cfg.curriculum.stages]
 
     @property
     def env(self) -> EnvConfig:
         """The env config training rollouts play: ``env``, or the curriculum stage's games shown with
         ``env``'s prompt settings."""
-        stages = self.cfg.curriculum.stages
-        return load_env_config(stages[self.stage]).with_prompt_of(self.cfg.env) if stages else self.cfg.env
+        return self.stage_envs[self.stage] if self.stage_envs else self.cfg.env
+
+    def fit_to_positions(self, limit: int | None) -> None:
+        """Each stage's own prompt budget (hard's: 2048) capped to the policy's ``limit`` positions, as
+        ``train`` caps env's (``textrl.games.prompt.fit_to_positions``: one log line per stage capped)."""
+        self.stage_envs = [fit_to_positions(e, limit, self.cfg.model.name) for e in self.stage_envs]
 
     def _train_pool(self, env: EnvConfig) -> list[Path]:
         pool = GamePool(GameSpec.from_env(env), cache_dir=self.cfg.cache_dir, workers=self.cfg.env.workers)
@@ -50,9 +57,14 @@ class Curriculum:
 
     def generate(self) -> None:
         """Generate (or find in the cache) every game the run can play: every stage's training
-        games and the evaluation games."""
+        games, the warm start's (env's first ``warm_start.games`` training games) and the evaluation
+        games. ``train`` calls it before anything touches CUDA: no game is made mid-run."""
         for stage in self.cfg.curriculum.stages:
             self._train_pool(load_env_config(stage))
+        if self.cfg.warm_start.steps:
+            e = self.cfg.env
+            GamePool(GameSpec.from_env(e), cache_dir=self.cfg.cache_dir, workers=e.workers).games(
+                "train", self.cfg.warm_start.games)
         self.load()
 
     def load(self) -> None:

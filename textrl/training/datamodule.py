@@ -39,13 +39,18 @@ class RolloutDataModule(L.LightningDataModule):
         super().__init__()
         self.cfg = cfg
         self.curriculum = Curriculum(cfg)
+        self.prepared = False
 
     @property
     def eval_games(self):
         return self.curriculum.eval_games
 
     def prepare_data(self):
-        self.curriculum.generate()  # once, on one process; setup() only reads the cache
+        """Every game the run can play, generated or found in the cache: ``train`` calls it first,
+        before anything touches CUDA; Lightning's calls (fit, validate) then find it done."""
+        if not self.prepared:
+            self.curriculum.generate()  # setup() only reads the cache
+            self.prepared = True
 
     def setup(self, stage: str):
         if not self.curriculum.train_games:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import forced_action
+from textrl.policy.device import trainer_device
 from textrl.policy.distribution import fork_logprobs
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
@@ -98,10 +98,13 @@ def make_fabric(cfg: TrainConfig):
     """Lightning Fabric on the device the Trainer will train on, with the run's precision."""
     from lightning.fabric import Fabric
 
-    cuda = cfg.trainer.accelerator in {"auto", "gpu", "cuda"} and torch.cuda.is_available()
-    # under DDP every rank warm-starts identically on its own GPU; DDP then broadcasts rank 0's weights
-    devices = [int(os.environ.get("LOCAL_RANK", 0))] if cuda else 1
-    return Fabric(accelerator="cuda" if cuda else "cpu", devices=devices, precision=cfg.memory.precision)
+    # the device the Trainer will give this process (its GPU of trainer.devices: a sweep job's slot, a
+    # DDP rank's own; LOCAL_RANK is a rank, not a GPU index). Under DDP every rank warm-starts
+    # identically on its own GPU; DDP then broadcasts rank 0's weights
+    device = trainer_device(cfg.trainer)
+    if device.type == "cuda":
+        return Fabric(accelerator="cuda", devices=[device.index], precision=cfg.memory.precision)
+    return Fabric(accelerator="cpu", devices=1, precision=cfg.memory.precision)
 
 
 def _clone_walkthroughs(policy: PolicyValueModel, sequences: list[TrainingSequence], fabric, optimizer,
