@@ -1,6 +1,7 @@
 """Two-process CPU DDP (gloo) through Lightning's strategy, launched as a user would."""
 
 import csv
+import json
 import subprocess
 import sys
 
@@ -22,3 +23,24 @@ def test_two_process_cpu_ddp_covers_both_ranks(tmp_path):
     assert all(float(r["rollout/episodes"]) == 4 for r in train_rows)  # 2 per rank, summed
     assert all(float(r["eval/games"]) == 4 for r in eval_rows)  # each rank its own 2 evaluation games
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_rank_without_games_finishes_and_gradients_sync_once_per_optimizer_step(tmp_path):
+    """One training game and one fixed training game for two ranks: rank 1 plays nothing, yet joins
+    every collective (it used to return before one and hang until the gloo/NCCL timeout). Each
+    optimizer step of two accumulated minibatches all-reduces the gradients once (``no_sync`` on
+    the first), and the KL anchor's reference copy is not among the buffers DDP broadcasts."""
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, "tests/ddp_probe.py", str(out), f"output_dir={tmp_path}", *SMALL, "memory=none",
+           "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "iterations=2", "eval.every=1",
+           "env.num_envs=1", "env.decode_groups=1", "eval.games=1", "eval.train_games=1", "eval.batch=1",
+           "eval.probes=1", "ppo.kl_coef=0.1", "ppo.minibatch_size=1", "ppo.grad_accum=2"]
+    run = subprocess.run(cmd, cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"probe.json.rank{r}").read_text()) for r in (0, 1)]
+    for probe in ranks:
+        assert probe["optimizer_steps"] >= 2  # two iterations, at least one step each
+        assert probe["allreduces"] == probe["optimizer_steps"]  # not one per backward (twice as many)
+        assert probe["broadcast_buffers"] and not any(b.startswith("reference.") for b in probe["broadcast_buffers"])
+    rows = [r for r in csv.DictReader(open(tmp_path / "logs" / "metrics.csv")) if r.get("rollout/episodes")]
+    assert [float(r["rollout/episodes"]) for r in rows] == [1.0, 1.0]  # rank 0's one episode, summed

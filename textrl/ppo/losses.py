@@ -97,6 +97,8 @@ def ppo_loss(mb: DecisionBatch, coefs: LossCoefs, normalizer: float) -> PPOTerms
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns): 1 is perfect, 0 is a constant, < 0 is harmful."""
+    if returns.numel() < 2:  # no variance to explain (a DDP rank with no decisions)
+        return float("nan")
     var = returns.var()
     return float("nan") if var == 0 else float(1 - (returns - values).var() / var)
 

@@ -76,6 +76,10 @@ class RolloutDataModule(L.LightningDataModule):
             games = games[rank::world]  # ranks split the games without overlap
             return [(games[i: i + b], env) for i in range(0, len(games), b)]
 
-        loaders = [lambda: batches(c.eval_games, self.cfg.env),
-                   lambda: batches(c.train_games[: self.cfg.eval.train_games], c.env)]
-        return [DataLoader(_Batches(f), batch_size=None, collate_fn=_as_is) for f in loaders if f()]
+        # the same loaders on every rank, also on one whose share is empty: a rank with fewer loaders
+        # would run fewer of Lightning's collectives and hang the others (on_validation_epoch_end
+        # still runs on it, and joins the evaluation's reductions)
+        loaders = [(c.eval_games, lambda: batches(c.eval_games, self.cfg.env))]
+        if self.cfg.eval.train_games:
+            loaders.append((c.train_games, lambda: batches(c.train_games[: self.cfg.eval.train_games], c.env)))
+        return [DataLoader(_Batches(f), batch_size=None, collate_fn=_as_is) for games, f in loaders if games]

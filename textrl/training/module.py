@@ -21,6 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 from omegaconf import OmegaConf
 
 from textrl.config import PPOConfig, TrainConfig
@@ -35,7 +36,7 @@ from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.update import PPOUpdate, Runtime
-from textrl.rollout import Episode, Player, Sampling, check_aborted, episode_metrics, episode_seeds, play_games
+from textrl.rollout import Episode, Player, Sampling, check_aborted, episode_seeds, play_games
 from textrl.training.curriculum import Curriculum
 from textrl.training.loggers import log_transcripts
 from textrl.transcripts import transcript_rows, write_transcripts
@@ -78,6 +79,11 @@ class PPOModule(L.LightningModule):
             log.info("ppo.advantage=%s: the value head is neither trained nor used", cfg.ppo.advantage)
         # the KL anchor's initial policy (a buffer: checkpoints keep it); None without one
         self.reference = ReferencePolicy(policy.lm, cfg.memory.lora) if cfg.ppo.kl_coef > 0 else None
+        # ... which DDP leaves alone: it would broadcast every buffer from rank 0 before each
+        # training_step (the reference copy of a full Qwen fine-tune: ~2 GB per iteration), and
+        # every rank builds the same copy from the same weights (or loads it from the checkpoint)
+        self._ddp_params_and_buffers_to_ignore = [f"reference.{n}" for n, _ in self.reference.named_buffers()] \
+            if self.reference is not None else []
         # the frozen blocks under the trainable ones, run once per sequence per iteration (None: all
         # blocks train, or switched off)
         frozen = FrozenPrefix.of(policy.lm) if cfg.ppo.cache_frozen else None
@@ -90,7 +96,8 @@ class PPOModule(L.LightningModule):
                                 frozen=frozen, runtime=Runtime(backward=self.manual_backward,
                                                                all_reduce=self._all_reduce,
                                                                world_size=self._world_size,
-                                                               loss_scale=self._loss_scale))
+                                                               loss_scale=self._loss_scale,
+                                                               no_sync=self._no_sync))
 
     # ---- one PPO iteration ------------------------------------------------------------------
     def training_step(self, curriculum: Curriculum, batch_idx: int) -> None:
@@ -103,14 +110,13 @@ class PPOModule(L.LightningModule):
         sampling = Sampling(temperature, episode_seeds(self.cfg.seed, iteration, played.games), self.cfg.ppo.explore)
         episodes, rollout_stats = play_games(self.player, played.games, played.env, sampling)
         episodes, aborted = self._completed(episodes, played.env.max_aborted, "training")  # game faults: left out
+        outcome = self._all_ranks_metrics(episodes, "rollout")  # every rank reduces, whatever its share
         if curriculum.needs_outcomes:  # stages move on the win rate of all ranks' episodes
-            won = self._all_reduce(torch.tensor([sum(e.won for e in episodes), len(episodes)],
-                                                dtype=torch.float32, device=self.device), "sum")
-            curriculum.record(float(won[0] / won[1]), [e.game for e in episodes if not e.won])
+            curriculum.record(outcome["rollout/win_rate"], [e.game for e in episodes if not e.won])
         stats = self.update.run(episodes, iteration, optimizer)
         self.lr_schedulers().step()
 
-        self.log_dict({**episode_metrics(episodes, "rollout"), "rollout/temperature": temperature,
+        self.log_dict({**outcome, "rollout/temperature": temperature,
                        **rollout_stats.metrics(), **stats.metrics(), **curriculum.metrics(played),
                        "optim/lr_lm": lr_lm, "optim/lr_value": lr_value,
                        "perf/peak_mem_gb": peak_memory_gb(self.device), "iteration": float(iteration + 1)},
@@ -119,6 +125,22 @@ class PPOModule(L.LightningModule):
                  reduce_fx="sum")
         self.log("rollout/aborted", float(aborted), on_step=True, on_epoch=False, sync_dist=True, reduce_fx="sum")
         self.iterations_done = iteration + 1
+
+    def _all_ranks_metrics(self, episodes: list[Episode], prefix: str, entropy: bool = False) -> dict[str, float]:
+        """``episode_metrics`` over all ranks' episodes, in one reduction that every rank joins (a
+        rank with no episode too): the same figures on every rank, weighted by episodes (a mean of
+        the ranks' means would weigh a rank's few episodes like another's many). ``entropy``: also
+        ``<prefix>/first_fork_entropy``, the mean entropy of each command's first decision."""
+        first = [s.action.decisions[0].entropy for e in episodes for s in e.steps if s.action.decisions]
+        sums = self._all_reduce(torch.tensor(
+            [len(episodes), sum(e.won for e in episodes), sum(e.length for e in episodes),
+             sum(e.total_return for e in episodes), sum(first), len(first)], dtype=torch.float64, device=self.device),
+            "sum").tolist()
+        n = max(sums[0], 1.0)
+        out = {f"{prefix}/win_rate": sums[1] / n, f"{prefix}/episode_len": sums[2] / n, f"{prefix}/return": sums[3] / n}
+        if entropy:
+            out[f"{prefix}/first_fork_entropy"] = sums[4] / max(sums[5], 1.0)
+        return out
 
     def _completed(self, episodes: list[Episode], max_aborted: float, what: str) -> tuple[list[Episode], int]:
         """The episodes no game fault aborted, and how many were; more than ``max_aborted`` of all
@@ -139,6 +161,12 @@ class PPOModule(L.LightningModule):
 
     def _world_size(self) -> int:
         return self._trainer.world_size if self._trainer else 1  # no Trainer: one process
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        """DDP's ``no_sync`` (Lightning's ``block_backward_sync``): backward without the gradient
+        all-reduce; a plain context for one process."""
+        strategy = self._trainer.strategy if self._trainer else None
+        return strategy.block_backward_sync() if isinstance(strategy, ParallelStrategy) else contextlib.nullcontext()
 
     def _loss_scale(self) -> float | None:
         scaler = getattr(self._trainer.precision_plugin, "scaler", None) if self._trainer else None  # 16-mixed only
@@ -175,12 +203,11 @@ class PPOModule(L.LightningModule):
         iteration = self.iterations_done  # the policy after this many iterations
         (episodes, aborted), (train_episodes, train_aborted) = (  # game faults: left out, counted
             self._completed(e, self.cfg.env.max_aborted, "evaluation") for e in self._eval_episodes)
-        metrics = episode_metrics(episodes, "eval")
-        # the first decision of a command is mostly its verb: how sure the policy is of it
-        first = [s.action.decisions[0].entropy for e in episodes for s in e.steps if s.action.decisions]
-        metrics["eval/first_fork_entropy"] = sum(first) / max(len(first), 1)
-        if train_episodes:
-            train = episode_metrics(train_episodes, "eval")
+        # over all ranks' games, reduced by every rank (some may have played none); the first decision
+        # of a command is mostly its verb: first_fork_entropy is how sure the policy is of it
+        metrics = self._all_ranks_metrics(episodes, "eval", entropy=True)
+        if self.cfg.eval.train_games:
+            train = self._all_ranks_metrics(train_episodes, "eval")
             metrics["eval/train_win_rate"] = train["eval/win_rate"]
             metrics["eval/train_episode_len"] = train["eval/episode_len"]
         if self.cfg.eval.probes:
