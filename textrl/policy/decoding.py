@@ -109,8 +109,10 @@ class ConstrainedDecoder:
     episodes); a slot that was not in the previous call resets the cache.
     """
 
-    def __init__(self, policy: PolicyValueModel):
+    def __init__(self, policy: PolicyValueModel, batched: bool | None = None):
         self.policy = policy
+        # one padded attention call per layer (a GPU's layout) or one per row (a CPU's); None: by device
+        self.batched = batched
         self.capture: FrozenPrefix | None = None  # keep the frozen blocks' outputs (module docstring)
         self.reset()
 
@@ -136,7 +138,8 @@ class ConstrainedDecoder:
     def _select(self, slots: list) -> None:
         if self.cache is None or not set(slots) <= set(self.slots):
             # one padded attention call per layer on a GPU, one per row elsewhere (ragged_cache docstring)
-            self.cache = RaggedCache(len(slots), self.device, batched=self.device.type != "cpu")
+            batched = self.device.type != "cpu" if self.batched is None else self.batched
+            self.cache = RaggedCache(len(slots), self.device, batched=batched)
             self.fed = [[] for _ in slots]
             self.captured = [[] for _ in slots]
         elif slots != self.slots:
