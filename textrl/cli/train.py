@@ -176,9 +176,14 @@ def _job_gpu(cfg: TrainConfig):
     Hydra's joblib launcher (``sweep=gpus``) runs jobs in reused loky worker processes, and its
     launcher config offers no way not to reuse them: a reused worker keeps the CUDA context it
     created for an earlier job, on that job's GPU (a few hundred MB there), and memory still held by
-    objects alive after the run. Not tested here: no GPU (read only)."""
+    objects alive after the run. Nothing is done under Lightning's fork-started DDP (``ddp_fork``,
+    ``ddp_notebook``), which refuses to start its ranks once CUDA is initialised. Not tested here:
+    no GPU (read only)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
     device = trainer_device(cfg.trainer)
-    if device.type != "cuda":
+    forks = StrategyRegistry.get(cfg.trainer.strategy, {}).get("init_params", {}).get("start_method") == "fork"
+    if device.type != "cuda" or forks:
         yield
         return
     torch.cuda.set_device(device)

@@ -122,8 +122,16 @@ class ConstrainedDecoder:
         self.fed: list[list[int]] = []  # real tokens already in each row's cache
         self.captured: list[list[torch.Tensor]] = []  # with ``capture``: the frozen output at each of them
         # new ones: decode_episodes() reads the finished profile before the next reset
-        self.timer = PhaseTimer(self.device)
+        self._timer: PhaseTimer | None = None
         self.counts = {"prefill_tokens": 0, "fork_tokens": 0, "calls": 0}
+
+    @property
+    def timer(self) -> PhaseTimer:
+        """The rollout's phase timer, on the device the policy is on when the rollout starts (a
+        decoder is built before Lightning moves the policy to its GPU)."""
+        if self._timer is None:
+            self._timer = PhaseTimer(self.device)
+        return self._timer
 
     @property
     def profile(self) -> DecodeProfile:
