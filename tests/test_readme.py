@@ -266,11 +266,13 @@ def test_docs_gpu_cites_functions_that_exist(path, name):
     assert _defines(ROOT / path, name), f"docs/gpu.md cites {path}::{name}, which {path} does not define"
 
 
-def test_every_test_the_readme_cites_exists():
-    """The README's tables name the tests that pin its promises (`tests/file.py::test_name`, or
-    `::test_name` after a file in the same cell): each must exist, so a renamed test fails here."""
+@pytest.mark.parametrize("document", ["README.md", "docs/gpu.md"])
+def test_every_test_the_readme_cites_exists(document):
+    """The README's tables name the tests that pin its promises, and docs/gpu.md the CPU test that
+    stands in for each GPU line (`tests/file.py::test_name`, or `::test_name` after a file in the
+    same line): each must exist, so a renamed test fails here."""
     cited = []
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in (ROOT / document).read_text().splitlines():
         current = None
         for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", line):
             current = path or current

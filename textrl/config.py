@@ -10,6 +10,7 @@ games of a setting can be made is the games layer's check (``textrl.games.pool.c
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -20,6 +21,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from textrl.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -442,6 +445,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     cuda = _trains_on_cuda(cfg.trainer)
     if cfg.memory.precision == "auto":
         cfg.memory.precision = "bf16-mixed" if native_bf16(cuda) else "32-true"
+    elif cfg.memory.precision == "bf16-mixed" and cuda and not native_bf16(True):  # nothing refuses it
+        log.warning("memory.precision=bf16-mixed on a GPU without native bf16 (before Ampere): torch emulates it, "
+                    "slowly; memory=fp16 (16-mixed) or memory=none (32-true) is faster there")
     if cfg.env.decode_groups is None:
         cfg.env.decode_groups = default_decode_groups(cfg.env.num_envs, cuda)
     if cfg.ppo.recompute_old is None:

@@ -182,7 +182,8 @@ def _job_gpu(cfg: TrainConfig):
     from lightning.pytorch.strategies import StrategyRegistry
 
     device = trainer_device(cfg.trainer)
-    forks = StrategyRegistry.get(cfg.trainer.strategy, {}).get("init_params", {}).get("start_method") == "fork"
+    entry = dict.get(StrategyRegistry, cfg.trainer.strategy) or {}  # its registration; .get() would build one
+    forks = entry.get("init_params", {}).get("start_method") == "fork"
     if device.type != "cuda" or forks:
         yield
         return
