@@ -246,3 +246,30 @@ def test_the_decode_profile_counts_every_real_token_fed_and_the_games_time(tiny,
     episodes, stats = decode_episodes([TextGame(g, 3) for g in easy_games[:4]], [decoder], prompts, Sampling(1.0, [1, 2, 3, 4]))
     assert stats.decode == decoder.profile and stats.decode.tokens > 0
     assert 0 < stats.env_s and stats.env_s + stats.decode.model_s < stats.seconds
+
+
+@pytest.mark.parametrize("name, layers", [("tiny", {}), ("gpt2", {"n_layer": 2}), ("qwen", {"num_hidden_layers": 2})])
+def test_the_updates_padded_forward_computes_each_sequence_as_alone(name, layers, easy_games):
+    """decision_forward pads a minibatch and, for SDPA, builds the 4-D mask itself (padding_mask):
+    every decision's logits and value equal those of its sequence fed alone, unpadded, for Llama,
+    GPT-2 (learned positions) and Qwen2 (GQA) alike."""
+    from textrl.config import load_model_config
+    from textrl.games.prompt import PromptBuilder
+    from textrl.policy.model import build_policy
+    from textrl.ppo.sequences import decision_forward, training_sequences
+
+    torch.manual_seed(0)
+    policy, tokenizer = build_policy(load_model_config(name, **({"source": "random", "architecture": layers} if layers else {})))
+    policy.eval()
+    episodes, _ = decode_episodes([TextGame(p, 3) for p in easy_games[:3]], [ConstrainedDecoder(policy)],
+                                  PromptBuilder(tokenizer), Sampling(1.0, [0, 1, 2]))
+    sequences = training_sequences(episodes).sequences
+    assert len({len(s.input_ids) for s in sequences}) > 1  # the batch is padded
+    with torch.no_grad():
+        together = decision_forward(policy, sequences, tokenizer.pad_token_id)
+        alone = [decision_forward(policy, [s], tokenizer.pad_token_id) for s in sequences]
+    width = together.logits.shape[1]
+    logits = torch.cat([torch.nn.functional.pad(a.logits, (0, width - a.logits.shape[1])) for a in alone])
+    valid = together.valid
+    assert torch.allclose(together.logits[valid], logits[valid], atol=1e-4)
+    assert torch.allclose(together.values, torch.cat([a.values for a in alone]), atol=1e-5)

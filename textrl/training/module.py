@@ -176,6 +176,13 @@ class PPOModule(L.LightningModule):
         if self.cfg.env.step_workers and self.player.workers is None:  # for fit / validate; teardown ends them
             self.player.workers = GameWorkers(self.cfg.env.step_workers)
 
+    def on_fit_start(self) -> None:
+        # DDP leaves the KL reference out of its broadcasts (__init__): rank 0's, once, as DDP does
+        # with the weights when it wraps the model (a warm start on a GPU may differ by rank)
+        if self.reference is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            for buffer in self.reference.buffers():
+                torch.distributed.broadcast(buffer, src=0)
+
     def teardown(self, stage: str) -> None:
         self.player.close()
 
