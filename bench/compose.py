@@ -22,5 +22,27 @@ def composed(overrides: list[str], output_dir: str = "unused") -> DictConfig:
 
 
 def train_config(overrides: list[str], output_dir: str = "unused"):
-    """The validated TrainConfig of ``python train.py <overrides>``."""
-    return to_train_config(composed(overrides, output_dir))
+    """The validated TrainConfig of ``python train.py <overrides>``, with ``memory.precision=auto``
+    (and ``ppo.recompute_old=null``) decided as ``train`` decides them: on a CPU, ``resolve`` leaves
+    them to a measurement on the built model, which is built here for that (the decision is cached
+    per machine, so the run that the benchmark then starts reads the same one). An older commit's
+    ``resolve`` decides them itself, and nothing here runs."""
+    cfg = to_train_config(composed(overrides, output_dir))
+    if cfg.memory.precision == "auto":
+        import torch
+
+        from textrl.policy.device import trainer_device
+        from textrl.policy.model import build_policy
+        from textrl.policy.precision import resolve_auto_precision
+
+        threads = torch.get_num_threads()
+        if cfg.threads:  # measured with the run's threads: part of the decision's key
+            torch.set_num_threads(cfg.threads)
+        try:
+            device = trainer_device(cfg.trainer)
+            policy, _ = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device)
+            choice = resolve_auto_precision(cfg, policy, device)
+            print(f"memory={cfg.memory.name}: {choice.describe()}", flush=True)
+        finally:
+            torch.set_num_threads(threads)
+    return cfg

@@ -15,6 +15,23 @@ the clock starts; ``minutes`` is the subprocess's wall time (model loading inclu
 
 Each file records the resolved precision, whether the CPU computes bf16 natively, the torch version
 and the machine: compare minutes only between files measured on the same machine.
+
+Time to a learned policy: each run records ``eval_minutes`` ([iteration, minutes since the run
+started, held-out eval/win_rate] at the end of each evaluation) and ``minutes_to_win_rate``, the
+minutes at which the held-out win rate first reaches 0.5, 0.8 and 0.9 (null: never); the file
+aggregates them over seeds (mean and std over the seeds that reached it, how many did, every seed's
+value) beside ``minutes``, the runs' total. The clock (``clock``) is the wall clock where every
+evaluation wrote its transcripts (``transcripts/iter_<k>.md``, written as the evaluation ends: its
+file time, since the subprocess started); else the seconds the run's phases log in metrics.csv
+(``perf/rollout_s``, ``recompute_s``, ``reference_s``, ``update_s`` per iteration, ``perf/eval_s``
+per evaluation), added up in run order and scaled so that the run's end is its wall time (start-up
+and checkpoint writes, which no phase logs, spread in proportion).
+
+    python bench/learn.py --from-stored bench/results/learn_easy24_*.json   # no training: printed
+
+recomputes these figures from result files written before they were recorded: their runs kept the
+evaluation curve, each phase's mean seconds per iteration and the total minutes, not the seconds of
+each iteration, so the figures are estimates (each iteration and each evaluation taken at its mean).
 """
 
 from __future__ import annotations
@@ -60,7 +77,102 @@ CONFIGS = {
 }
 
 
-def summarize_run(run_dir: Path) -> dict:
+THRESHOLDS = (0.5, 0.8, 0.9)  # held-out win rates whose first minutes every run records
+CLOCKS = {
+    "wall": "wall clock since the run started, at each evaluation's transcript file (written as it ends)",
+    "logged": "the phases' logged seconds (perf/*) up to each evaluation's end, scaled to the run's wall time",
+    "stored_means": "estimate: each iteration and evaluation at the stored file's mean seconds, scaled to the "
+                    "run's wall time",
+}
+
+
+def minutes_to(curve: list[list[float]], thresholds=THRESHOLDS) -> dict[str, float | None]:
+    """The minutes of the first point of ``curve`` ([iteration, minutes, win rate], in run order)
+    whose win rate reaches each threshold (``"0.9": minutes``); None where no point does."""
+    return {str(t): next((m for _, m, win in curve if win >= t - 1e-9), None) for t in thresholds}
+
+
+def eval_clock(iteration_s: dict[int, float], evals: list[tuple[int, float, float]],
+               total_minutes: float | None = None) -> list[list[float]]:
+    """[iteration, minutes, win rate] at the end of each evaluation, from the seconds each training
+    iteration (``iteration_s``: 1-based iteration -> seconds) and each evaluation (``evals``:
+    (iteration, seconds, win rate) in run order; the one after iteration k follows its update) took,
+    added up in run order. With ``total_minutes`` (the run's wall time) the clock is scaled so that
+    its end is the run's end: what no phase logs (start-up, checkpoint writes) is spread in
+    proportion. Without it, the minutes are a lower bound."""
+    logged = sum(iteration_s.values()) + sum(s for _, s, _ in evals)
+    scale = total_minutes * 60 / logged if total_minutes and logged else 1.0
+    curve = []
+    for n, (k, _, win) in enumerate(evals):
+        seconds = sum(s for i, s in iteration_s.items() if i <= k) + sum(s for _, s, _ in evals[: n + 1])
+        curve.append([k, round(seconds * scale / 60, 2), win])
+    return curve
+
+
+def eval_minutes(rows: list[dict], total_minutes: float | None = None) -> list[list[float]]:
+    """``eval_clock`` of a run's metrics.csv rows: per training row (``perf/rollout_s``) its
+    rollout + recompute + reference + update seconds, per evaluation row its ``perf/eval_s``."""
+    def num(row, key):
+        return float(row[key]) if row.get(key) not in (None, "") else 0.0
+
+    iteration_s = {int(float(r["iteration"])): sum(num(r, f"perf/{p}_s") for p in ("rollout", "recompute", "reference", "update"))
+                   for r in rows if r.get("perf/rollout_s")}
+    evals = sorted(((int(float(r["iteration"])), num(r, "perf/eval_s"), float(r["eval/win_rate"]))
+                    for r in rows if r.get("eval/win_rate")), key=lambda e: e[0])
+    return eval_clock(iteration_s, evals, total_minutes)
+
+
+def wall_eval_minutes(run_dir: Path, started: float, curve: list[list]) -> list[list[float]] | None:
+    """[iteration, minutes, win rate] of each evaluation of ``curve`` ([iteration, win rate, ...]),
+    the minutes from ``started`` (``time.time()`` as the run started) to its transcript file's time
+    (``transcripts/iter_<k>.md``); None where an evaluation wrote none (``eval.transcripts=0``)."""
+    out = []
+    for it, win, *_ in curve:
+        path = run_dir / "transcripts" / f"iter_{int(it):04d}.md"
+        if not path.is_file() or path.stat().st_mtime < started:
+            return None
+        out.append([int(it), round((path.stat().st_mtime - started) / 60, 2), win])
+    return out
+
+
+def stored_eval_minutes(run: dict) -> list[list[float]]:
+    """``eval_clock`` of a stored run (a result file's ``runs`` entry): each iteration and evaluation
+    at its mean seconds (``seconds_per_iteration``), scaled to the run's ``minutes``."""
+    mean = run["seconds_per_iteration"]
+    per_iteration = sum(mean.get(k) or 0.0 for k in ("rollout", "recompute_old", "reference", "update"))
+    evals = [(int(it), mean.get("evaluation") or 0.0, win) for it, win, *_ in run["eval_curve"]]
+    return eval_clock({k: per_iteration for k in range(1, run["iterations"] + 1)}, evals, run["minutes"])
+
+
+def reached(runs: list[dict]) -> dict[str, dict]:
+    """Per threshold, over the runs that recorded it: every seed's minutes (None: never reached), how
+    many reached it, and the mean and std of the minutes of those that did."""
+    have = [r for r in runs if r.get("minutes_to_win_rate")]
+    out = {}
+    for t in (str(t) for t in THRESHOLDS):
+        values = [r["minutes_to_win_rate"].get(t) for r in have]
+        hit = [v for v in values if v is not None]
+        out[t] = {"mean": round(statistics.fmean(hit), 2) if hit else None,
+                  "std": round(statistics.stdev(hit), 2) if len(hit) > 1 else (0.0 if hit else None),
+                  "reached": f"{len(hit)}/{len(values)}", "seeds": [r.get("seed") for r in have], "values": values}
+    return out
+
+
+def from_stored(path: Path) -> dict:
+    """Minutes to each win rate recomputed from a result file's stored runs (``stored_eval_minutes``)."""
+    data = json.loads(path.read_text())
+    runs = []
+    for run in data.get("runs", [data]):  # learn_cpu.json: one run, the file itself
+        curve = stored_eval_minutes(run)
+        runs.append({"seed": run.get("seed"), "minutes": run["minutes"], "eval_minutes": curve,
+                     "minutes_to_win_rate": minutes_to(curve)})
+    return {"file": str(path), "clock": CLOCKS["stored_means"], "minutes": mean_std([r["minutes"] for r in runs]),
+            "minutes_to_win_rate": reached(runs), "runs": runs}
+
+
+def summarize_run(run_dir: Path, started: float | None = None, minutes: float | None = None) -> dict:
+    """A finished run's figures from its metrics.csv; with ``started`` (``time.time()`` as it
+    started) and ``minutes`` (its wall time), its minutes to each held-out win rate too."""
     with open(run_dir / "logs" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     evals = [r for r in rows if r.get("eval/win_rate")]
@@ -85,6 +197,11 @@ def summarize_run(run_dir: Path) -> dict:
                                   "reference": mean("perf/reference_s"), "update": mean("perf/update_s"),
                                   "evaluation": mean("perf/eval_s")},
     }
+    # minutes to each held-out win rate: the wall clock where every evaluation left its transcripts
+    wall = wall_eval_minutes(run_dir, started, out["eval_curve"]) if started is not None else None
+    out["clock"] = CLOCKS["wall"] if wall is not None else CLOCKS["logged"]
+    out["eval_minutes"] = wall if wall is not None else eval_minutes(rows, minutes)
+    out["minutes_to_win_rate"] = minutes_to(out["eval_minutes"])
     # the run's own torch threads (threads=1 when two screening runs share a 2-core machine): minutes
     # compare only between runs with the same threads on the same machine
     resolved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
@@ -150,8 +267,14 @@ def main(argv=None):
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     ap.add_argument("--tag", default="easy", help="names the result files and the runs' folder")
     ap.add_argument("--runs", default="outputs/bench_learn", help="where the runs go")
+    ap.add_argument("--from-stored", nargs="+", metavar="FILE", type=Path,
+                    help="no training: print the minutes to each held-out win rate, estimated from these result "
+                         "files' stored runs (module docstring)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every configuration")
     args = ap.parse_args(argv)
+    if args.from_stored:
+        print(json.dumps([from_stored(path) for path in args.from_stored], indent=2))
+        return
 
     resolved = train_config(args.overrides)
     RolloutDataModule(resolved).prepare_data()  # generate (or find) the games before any clock starts
@@ -174,14 +297,14 @@ def main(argv=None):
             if run_dir.exists():  # a seed run again replaces its run (its logs would otherwise mix in)
                 shutil.rmtree(run_dir)
             run_dir.mkdir(parents=True)
-            start = time.perf_counter()
+            start, started = time.perf_counter(), time.time()  # the file times of its transcripts count from `started`
             with open(run_dir / "train.log", "w") as log:
                 subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
             minutes = (time.perf_counter() - start) / 60
             mine.append({"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
                          "commit": commit, "resolved": config,
                          "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
-                         **summarize_run(run_dir)})
+                         **summarize_run(run_dir, started, minutes)})
             # the file is read again now, not before the runs: another invocation adding other seeds
             # to the same file meanwhile (two queues side by side) keeps its runs
             others, commands = earlier_runs(out_path, overrides_all, {r["seed"] for r in mine}, config)
@@ -192,6 +315,8 @@ def main(argv=None):
                 "eval_win_rate": mean_std([r["eval_win_rate"] for r in runs]),
                 "eval_episode_len": mean_std([r["eval_episode_len"] for r in runs]),
                 "minutes": mean_std([r["minutes"] for r in runs]),
+                # the minutes until held-out wins first reach 0.5 / 0.8 / 0.9 (module docstring)
+                "minutes_to_win_rate": reached(runs),
                 "eval_games": resolved.eval.games, "runs": runs,
                 "precision": resolved.memory.precision, "cpu_native_bf16": native_bf16(False),
                 "torch": torch.__version__, "torch_threads": sorted({r["threads"] for r in runs}),
@@ -200,7 +325,8 @@ def main(argv=None):
                 "commands": list(dict.fromkeys([*commands, command(argv)])),
             }
             write_result(str(out_path), result, argv,
-                         show={k: result[k] for k in ("config", "seeds", "eval_win_rate", "eval_episode_len", "minutes")})
+                         show={k: result[k] for k in ("config", "seeds", "eval_win_rate", "eval_episode_len", "minutes",
+                                                      "minutes_to_win_rate")})
 
 
 if __name__ == "__main__":

@@ -50,16 +50,31 @@ def test_validate_only_checks_and_resolve_decides_the_auto_values():
     cfg = validate(TrainConfig(output_dir="/tmp/unused"))
     assert (cfg.memory.precision, cfg.env.decode_groups, cfg.ppo.recompute_old) == ("auto", None, None)
     resolve(cfg)
-    assert cfg.memory.precision in {"32-true", "bf16-mixed"} and cfg.env.decode_groups >= 1
-    assert cfg.ppo.recompute_old == (cfg.memory.precision != "32-true")
+    assert cfg.env.decode_groups >= 1
+    if torch.cuda.is_available():  # on CUDA resolve decides the precision; on a CPU a measurement on the model does
+        assert cfg.memory.precision in {"32-true", "bf16-mixed"}
+        assert cfg.ppo.recompute_old == (cfg.memory.precision != "32-true")
+    else:
+        assert (cfg.memory.precision, cfg.ppo.recompute_old) == ("auto", None)
 
 
-def test_auto_precision_is_bf16_exactly_where_the_cpu_has_native_bf16():
+def test_auto_precision_is_measured_on_a_cpu_and_native_bf16_on_a_gpu(monkeypatch):
+    """On a CPU resolve leaves ``auto`` (and recompute_old) to the measurement on the built model
+    (tests/test_precision_choice.py); an explicit option is resolved; on CUDA bf16 exactly where
+    the GPU computes it natively."""
     cpu = ["trainer.accelerator=cpu"]
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert compose_train(cpu).memory.precision == ("bf16-mixed" if native else "32-true")
-    assert compose_train([*cpu, "memory=none"]).memory.precision == "32-true"
-    assert compose_train([*cpu, "memory=grad_ckpt", "memory.precision=auto"]).memory.precision == compose_train(cpu).memory.precision
+    auto = compose_train(cpu)
+    assert (auto.memory.precision, auto.ppo.recompute_old) == ("auto", None)
+    assert compose_train([*cpu, "memory=grad_ckpt", "memory.precision=auto"]).memory.precision == "auto"
+    none, bf16 = compose_train([*cpu, "memory=none"]), compose_train([*cpu, "memory=bf16"])
+    assert (none.memory.precision, none.ppo.recompute_old) == ("32-true", False)
+    assert (bf16.memory.precision, bf16.ppo.recompute_old) == ("bf16-mixed", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for native in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        gpu = compose_train()
+        assert (gpu.memory.precision, gpu.ppo.recompute_old) == (("bf16-mixed", True) if native else ("32-true", False))
 
 
 @pytest.mark.parametrize("group", GROUPS)

@@ -4,8 +4,10 @@ Every group in ``conf/`` is typed by a dataclass here, registered in Hydra's Con
 unknown key or a wrongly typed value fails when the config is composed. Value checks (ranges,
 choices) run in ``validate`` before anything is built, one function per group, and name the key,
 the value and what is allowed. ``resolve`` then decides the values left to the machine
-(``memory.precision=auto``, ``env.decode_groups=null``, ``ppo.recompute_old=null``). Whether the
-games of a setting can be made is the games layer's check (``textrl.games.pool.check_games``).
+(``memory.precision=auto``, ``env.decode_groups=null``, ``ppo.recompute_old=null``; on a CPU
+the precision, and ``recompute_old`` with it, are decided once the model is built, by measurement:
+``textrl.policy.precision``). Whether the games of a setting can be made is the games layer's
+check (``textrl.games.pool.check_games``).
 """
 
 from __future__ import annotations
@@ -177,8 +179,10 @@ class PPOConfig:
 @dataclass
 class MemoryConfig:
     name: str = "auto"
-    # Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA only) | auto (decided by ``resolve``:
-    # bf16-mixed where the device computes in bf16 natively, else 32-true)
+    # Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA only) | auto (on CUDA decided by
+    # ``resolve``: bf16-mixed where the GPU computes in bf16 natively, else 32-true; on a CPU the
+    # faster of the two on the model's own layer shapes, measured once per machine and cached:
+    # textrl.policy.precision.choose_precision)
     precision: str = "auto"
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes, for the LM parameters)
     grad_ckpt: bool = False  # the model's gradient checkpointing (non-reentrant) during updates
@@ -438,19 +442,30 @@ def _check_memory(m: MemoryConfig, t: TrainerConfig) -> None:
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
-    """The values a config leaves to the machine, decided in place (after ``validate``):
-    ``memory.precision=auto`` (bf16-mixed where the device computes in bf16 natively, else
-    32-true), ``env.decode_groups=null`` (``default_decode_groups``) and ``ppo.recompute_old=null``
-    (true exactly under mixed precision)."""
+    """The values a config leaves to the machine, decided in place (after ``validate``; idempotent):
+    ``env.decode_groups=null`` (``default_decode_groups``), ``memory.precision=auto`` where the run
+    trains on CUDA (bf16-mixed where the GPU computes in bf16 natively, else 32-true) and
+    ``ppo.recompute_old=null`` (true exactly under mixed precision) once the precision is known.
+
+    On a CPU, ``memory.precision=auto`` is left ``auto``, and ``ppo.recompute_old=null`` with it:
+    the CPU's choice is measured on the built model
+    (``textrl.policy.precision.resolve_auto_precision``, which ``train`` calls right after
+    ``build_policy``, before the warm start, the module and the Trainer read them). Code that
+    reads either before that point sees ``auto`` / None."""
     cuda = _trains_on_cuda(cfg.trainer)
-    if cfg.memory.precision == "auto":
-        cfg.memory.precision = "bf16-mixed" if native_bf16(cuda) else "32-true"
+    if cfg.memory.precision == "auto" and cuda:
+        cfg.memory.precision = "bf16-mixed" if native_bf16(True) else "32-true"
     elif cfg.memory.precision == "bf16-mixed" and cuda and not native_bf16(True):  # nothing refuses it
         log.warning("memory.precision=bf16-mixed on a GPU without native bf16 (before Ampere): torch emulates it, "
                     "slowly; memory=fp16 (16-mixed) or memory=none (32-true) is faster there")
     if cfg.env.decode_groups is None:
         cfg.env.decode_groups = default_decode_groups(cfg.env.num_envs, cuda)
-    if cfg.ppo.recompute_old is None:
+    return resolve_recompute_old(cfg)
+
+
+def resolve_recompute_old(cfg: TrainConfig) -> TrainConfig:
+    """``ppo.recompute_old=null``: true exactly under mixed precision, once the precision is decided."""
+    if cfg.ppo.recompute_old is None and cfg.memory.precision != "auto":
         cfg.ppo.recompute_old = cfg.memory.precision != "32-true"
     return cfg
 
@@ -471,9 +486,10 @@ def _cuda_available() -> bool:
 
 
 def native_bf16(cuda: bool) -> bool:
-    """Whether the training device computes in bfloat16 natively (``memory.precision=auto``).
-
-    On CPUs without AVX512-BF16 or AMX, bf16 is emulated and slower than fp32, so auto stays fp32.
+    """Whether the training device computes in bfloat16 natively: on CUDA, what ``memory.precision=auto``
+    follows. On a CPU (AVX512-BF16 or AMX) it is only reported (benchmarks record it): a CPU's
+    ``auto`` is measured (``textrl.policy.precision.choose_precision``), since on some CPUs with
+    these flags bf16 autocast is slower than fp32.
     """
     import torch  # slow import: see _cuda_devices
 

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = PromptBuilder.for_env(tokenizer, env)
     # both models under the autocast the tuned policy was trained and evaluated with, on their device
     device = next(tuned.parameters()).device
-    with autocast_context(cfg.memory.precision, device), tuned.frozen_linears_in_autocast_dtype(), \
+    with autocast_context(cfg.memory.precision, device, tuned, args.cache_dir), tuned.frozen_linears_in_autocast_dtype(), \
             base.frozen_linears_in_autocast_dtype():
         per_game = [opening_attention(path, game, prompts, {"base": base, "tuned": tuned})
                     for path, game in zip(paths, games)]

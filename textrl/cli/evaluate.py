@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from textrl.config import load_env_config, load_model_config, native_bf16
+from textrl.config import load_env_config, load_model_config
 from textrl.games.env import check_game_file, open_game
 from textrl.games.pool import GamePool, GameSpec, game_name
 from textrl.games.prompt import fit_to_positions
@@ -35,7 +35,7 @@ from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.device import process_device
 from textrl.policy.model import ModelNotFoundError, build_policy
-from textrl.policy.precision import autocast_context
+from textrl.policy.precision import autocast_context, resolve_precision
 from textrl.rollout import Episode, Player, play_games, play_uniform
 from textrl.transcripts import write_transcripts
 
@@ -110,7 +110,7 @@ def load_policy(policy_source: str, cache_dir: str | None = None, model_path: st
     device = torch.device(device) if device is not None else process_device()
     if policy_source.startswith("model:"):
         policy, tokenizer = build_policy(load_model_config(policy_source.removeprefix("model:")), cache_dir=cache_dir)
-        return policy.to(device), tokenizer, None, "auto"  # bf16 where the device has it natively, as training
+        return policy.to(device), tokenizer, None, "auto"  # decided on the policy as training decides it
     if policy_source.startswith("checkpoint:"):
         policy, tokenizer, cfg = load_checkpoint_policy(policy_source.removeprefix("checkpoint:"), cache_dir=cache_dir,
                                                         model_path=model_path, device=device)
@@ -145,8 +145,7 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
     player = None
     if policy is not None:
         device = next(policy.parameters()).device  # load_policy's (every input follows the policy)
-        if precision == "auto":
-            precision = "bf16-mixed" if native_bf16(device.type == "cuda") else "32-true"
+        precision = resolve_precision(precision, policy, device, cache_dir)  # auto: as training decides it
         player = Player(policy, tokenizer, [ConstrainedDecoder(policy)],
                         autocast=lambda: autocast_context(precision, device))
     episodes: list[Episode] = []

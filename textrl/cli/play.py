@@ -6,7 +6,7 @@
     textrl-play --checkpoint outputs/<date>/<time>/checkpoints/last.ckpt   # a trained policy plays
 
 A model plays under the autocast it was trained and evaluated with (a checkpoint's
-``memory.precision``; an untrained model: bf16 where the device computes it natively), so it makes
+``memory.precision``; an untrained model: what ``memory=auto`` picks for it here), so it makes
 the choices textrl-eval and the training transcripts show for the same game.
 """
 
@@ -66,7 +66,7 @@ def _load_player(args, device: torch.device) -> tuple[PolicyValueModel, PromptBu
     else:
         policy, tokenizer = build_policy(load_model_config(args.model), cache_dir=args.cache_dir)
         env = load_env_config(args.env or "easy")
-        precision = "auto"  # as training resolves it on this device
+        precision = "auto"  # decided on the policy as training decides it (autocast_context)
     if args.max_prompt_tokens:
         env = replace(env, max_prompt_tokens=args.max_prompt_tokens)
     env = fit_to_positions(env, policy.position_limit)  # within the model's positions (GPT-2: 1,024)
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_game(env, lambda obs: _ask(obs, _read))
         decoder = ConstrainedDecoder(policy)  # its inputs on the policy's device
         # one autocast for the whole game: the decoder's KV cache is kept in its dtype between turns
-        with torch.no_grad(), autocast_context(precision, device), policy.frozen_linears_in_autocast_dtype():
+        with torch.no_grad(), autocast_context(precision, device, policy, args.cache_dir), \
+                policy.frozen_linears_in_autocast_dtype():
             return _run_game(env, lambda obs: _model_command(policy, decoder, prompts, obs, env.history, args.top))
     finally:
         env.close()

@@ -25,6 +25,7 @@ from textrl.policy.checkpoint import (CheckpointError, check_same_model, frozen_
                                       load_policy_weights, read_checkpoint)
 from textrl.policy.device import trainer_device
 from textrl.policy.model import ModelNotFoundError, build_policy
+from textrl.policy.precision import AUTO_PRECISION_ENV, resolve_auto_precision
 from textrl.training.callbacks import AtomicCheckpointIO, EvaluateLastIteration, Interrupted, StopOnSignal
 from textrl.training.datamodule import RolloutDataModule
 from textrl.training.loggers import WandbIdCallback, make_logger
@@ -63,8 +64,11 @@ def _train(cfg: TrainConfig, callbacks: list[L.Callback]) -> dict:
     datamodule = RolloutDataModule(cfg)
     datamodule.prepare_data()
     log.info("games ready in %.1f s: every game this run plays is in the cache", time.perf_counter() - start)
-    with _deterministic(cfg.trainer.deterministic), _job_gpu(cfg):
-        return _build_and_fit(cfg, callbacks, resume_state, init, datamodule)
+    try:
+        with _deterministic(cfg.trainer.deterministic), _job_gpu(cfg):
+            return _build_and_fit(cfg, callbacks, resume_state, init, datamodule)
+    finally:
+        os.environ.pop(AUTO_PRECISION_ENV, None)  # a sweep worker's next job decides its own
 
 
 def _build_and_fit(cfg: TrainConfig, callbacks: list[L.Callback], resume_state: dict | None, init: dict,
@@ -74,14 +78,27 @@ def _build_and_fit(cfg: TrainConfig, callbacks: list[L.Callback], resume_state: 
     resume_iteration = resume_state["iterations_done"] if resume_state is not None else None
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.memory.name == "auto":
-        log.info("memory=auto: precision %s (%s)", cfg.memory.precision,
-                 "native bf16 on this device" if cfg.memory.precision == "bf16-mixed" else "no native bf16 here")
     L.seed_everything(cfg.seed, workers=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, trainer_device(cfg.trainer))
+    device = trainer_device(cfg.trainer)
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device)
+    # memory.precision=auto on a CPU (resolve leaves it): the faster of fp32 and bf16 on this model's
+    # layer shapes, measured once per machine and cached; ppo.recompute_old=null follows. Decided
+    # here, before the warm start, the module and the Trainer read them. The random state is untouched
+    # a resumed run keeps the precision it trained with (its checkpoint's); DDP's other ranks, which
+    # Lightning starts with this process's environment, take this rank's decision instead of measuring
+    # on cores the ranks share (they could decide otherwise)
+    decided = ((resume_state or {}).get("config", {}).get("memory", {}).get("precision")
+               or os.environ.get(AUTO_PRECISION_ENV))
+    choice = resolve_auto_precision(cfg, policy, device, decided)
+    os.environ[AUTO_PRECISION_ENV] = cfg.memory.precision  # for the ranks fit() starts; removed by _train
+    if choice is not None:
+        log.info("memory=%s: %s", cfg.memory.name, choice.describe())  # names both figures and the choice
+    elif cfg.memory.name == "auto" and device.type == "cuda":  # decided by resolve, as the GPU computes bf16
+        log.info("memory=auto: precision %s (%s)", cfg.memory.precision,
+                 "native bf16 on this GPU" if cfg.memory.precision == "bf16-mixed" else "no native bf16 on this GPU")
     # prompts within the model's positions (GPT-2: 1,024): env's budget, which checkpoints keep and
     # textrl-eval/play read back, and each curriculum stage's own; one log line each that is capped
     cfg.env = fit_to_positions(cfg.env, policy.position_limit, cfg.model.name)

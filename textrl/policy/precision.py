@@ -1,25 +1,300 @@
-"""The autocast of a ``memory.precision`` value, for code that runs the policy outside the Trainer
-(textrl-eval, textrl-play, textrl-attention): the same computation the policy was trained and
+"""Precision: what ``memory.precision=auto`` decides, and the autocast of a ``memory.precision`` value.
+
+``auto`` on a CPU is decided by measurement (``choose_precision``): the model's own linear layer
+shapes are timed in fp32 and under bf16 autocast, and the faster one is chosen, once per machine
+(CPU model, torch threads, torch version, the shapes) and cached under the textrl cache. A flag such
+as AVX512-BF16 does not say which is faster: on some Xeons that report it, bf16 autocast runs 1.5-1.75x
+slower than fp32 (issue 32); on the AMD EPYC machines of the benchmarks it is the faster one. On CUDA,
+``auto`` is bf16 where the GPU computes it natively (``textrl.config.resolve``).
+
+``autocast_context`` is the autocast of a precision, for code that runs the policy outside the
+Trainer (textrl-eval, textrl-play, textrl-attention): the same computation the policy was trained and
 evaluated with, whose greedy choices are the ones its transcripts show."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from textrl.config import native_bf16
+from textrl.config import TrainConfig, default_cache_dir, native_bf16, resolve_recompute_old
+
+log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+MEASURE_ROWS = 256  # activations per timed product: a rollout chunk / an update sequence's order of size
+MEASURE_REPEATS = 3  # best of
+# part of the cache key: a change to how the measurement is made measures again
+MEASURE_METHOD = f"linear-rows{MEASURE_ROWS}-best{MEASURE_REPEATS}-v1"
 
 
-def autocast_context(precision: str, device: str | torch.device) -> contextlib.AbstractContextManager:
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """What ``auto`` decided, with the figures it decided on (GFLOP/s of the model's linear layers,
+    weighted by how many layers have each shape; None where nothing was measured) and how."""
+
+    precision: str
+    how: str  # measured | cached | why nothing was measured
+    fp32_gflops: float | None = None
+    bf16_gflops: float | None = None
+
+    def describe(self) -> str:
+        if self.fp32_gflops is None or self.bf16_gflops is None:
+            return f"precision {self.precision} ({self.how})"
+        return (f"precision {self.precision}: the model's linear layers run at {self.fp32_gflops:.1f} GFLOP/s in fp32, "
+                f"{self.bf16_gflops:.1f} GFLOP/s under bf16 autocast ({self.how})")
+
+
+def linear_shapes(model: nn.Module) -> Counter:
+    """(in_features, out_features) -> how many of the model's linear layers have that shape: its
+    ``nn.Linear`` modules (LoRA's adapters and the value head among them) and GPT-2's ``Conv1D`` (a
+    linear layer with the weight stored (in, out)), every one of which runs on every token.
+
+    The LM head (the output embedding, tied or not) is left out: the policy never multiplies it out
+    over a sequence (``PolicyValueModel.hidden`` runs the LM without it, and ``logits_of`` takes a
+    fork's few rows of it), yet at 576 x 49,152 (SmolLM2) it would weigh a fifth of the FLOPs and
+    most of the measuring time."""
+    lm = getattr(model, "lm", model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    shapes: Counter = Counter()
+    for module in model.modules():
+        if module is head:
+            continue
+        if isinstance(module, nn.Linear):
+            shapes[(module.in_features, module.out_features)] += 1
+        elif type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+            shapes[tuple(module.weight.shape)] += 1
+    return shapes
+
+
+def time_linears(shapes: Counter, rows: int = MEASURE_ROWS, repeats: int = MEASURE_REPEATS) -> tuple[float, float]:
+    """(fp32, bf16-autocast) GFLOP/s of ``F.linear`` on ``rows`` activations for each shape, best of
+    ``repeats`` per shape, weighted by the shape's count: the rate of the model's linear layers.
+    Weights stay fp32 as in training (autocast casts them). Uses a generator of its own: the
+    run's random state is untouched whether the decision is measured or read from the cache."""
+    gen = torch.Generator().manual_seed(0)
+    best = {shape: [float("inf"), float("inf")] for shape in shapes}
+    operands = {(n_in, n_out): (torch.randn(rows, n_in, generator=gen), torch.randn(n_out, n_in, generator=gen) * 0.02)
+                for n_in, n_out in shapes}
+    with torch.no_grad():
+        for repeat in range(repeats + 1):  # the first round warms up (oneDNN primitives, allocations)
+            for shape, (x, w) in operands.items():
+                for i, ctx in enumerate((contextlib.nullcontext, lambda: torch.autocast("cpu", dtype=torch.bfloat16))):
+                    with ctx():
+                        start = time.perf_counter()
+                        F.linear(x, w)
+                        took = time.perf_counter() - start
+                    if repeat:
+                        best[shape][i] = min(best[shape][i], took)
+    flops = sum(count * 2 * rows * n_in * n_out for (n_in, n_out), count in shapes.items())
+    seconds = [sum(count * best[shape][i] for shape, count in shapes.items()) for i in (0, 1)]
+    return flops / seconds[0] / 1e9, flops / seconds[1] / 1e9
+
+
+def cpu_bf16_autocast() -> bool:
+    """Whether bf16 autocast computes a linear layer in bf16 on this CPU at all."""
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.linear(torch.ones(2, 8), torch.ones(4, 8)).dtype == torch.bfloat16
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def precision_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """Where the decisions are kept: ``<cache>/precision`` (``cache_dir``, else the textrl cache)."""
+    return Path(cache_dir).expanduser() / "precision" if cache_dir else default_cache_dir() / "precision"
+
+
+def _cache_key(shapes: Counter) -> dict:
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "method": MEASURE_METHOD, "shapes": sorted([n_in, n_out, count] for (n_in, n_out), count in shapes.items())}
+
+
+def _read_decision(path: Path, key: dict) -> PrecisionChoice | None:
+    """The cached decision at ``path``; None where there is none, or it is unreadable (measured again)."""
+    try:
+        data = json.loads(path.read_text())
+        choice = PrecisionChoice(data["precision"], f"measured before, read from {path}", float(data["fp32_gflops"]),
+                                 float(data["bf16_gflops"]))
+        if data["key"] != key or choice.precision not in {"32-true", "bf16-mixed"}:
+            raise ValueError("another key or an unknown precision")
+        return choice
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # json's errors are ValueErrors
+        log.warning("%s: unreadable precision decision (%s): measuring again", path, exc)
+        return None
+
+
+def _write_decision(path: Path, key: dict, choice: PrecisionChoice, seconds: float, corrupt: bool) -> PrecisionChoice:
+    """Writes the decision atomically (replacing a ``corrupt`` one); where another process wrote one
+    for the same key meanwhile (a sweep's jobs starting together), theirs is kept and returned, so
+    that they all agree."""
+    data = {"precision": choice.precision, "fp32_gflops": choice.fp32_gflops, "bf16_gflops": choice.bf16_gflops,
+            "measure_s": round(seconds, 3), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "key": key}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(data, indent=2) + "\n")
+            os.chmod(tmp, 0o644)  # mkstemp's 0600: others sharing the cache read it too
+            if corrupt:
+                os.replace(tmp, path)
+            else:
+                try:
+                    os.link(tmp, path)  # the first writer wins
+                except FileExistsError:
+                    theirs = _read_decision(path, key)
+                    if theirs is not None:
+                        return theirs
+                    os.replace(tmp, path)  # theirs is unreadable: replaced
+                except OSError:  # no hard links on this file system
+                    os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        log.warning("could not cache the precision decision in %s (%s): it is measured again next time", path, exc)
+    return choice
+
+
+def choose_precision(model: nn.Module, device: str | torch.device, cache_dir: str | Path | None = None) -> PrecisionChoice:
+    """``memory.precision=auto`` for ``model`` on ``device``. CUDA: bf16-mixed where the GPU computes
+    bf16 natively, else 32-true. A CPU: the faster of fp32 and bf16 autocast on the model's linear
+    shapes (``time_linears``), measured once per CPU model, torch thread count, torch version and
+    shapes, and kept in ``<cache>/precision/<key>.json``; a later run reads it without measuring.
+    Where bf16 autocast does not compute in bf16 at all, 32-true without measuring."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        native = native_bf16(True)
+        return PrecisionChoice("bf16-mixed" if native else "32-true",
+                               "native bf16 on this GPU" if native else "no native bf16 on this GPU")
+    if device.type != "cpu":
+        return PrecisionChoice("32-true", f"no bf16 measurement on {device.type}")
+    if not cpu_bf16_autocast():
+        return PrecisionChoice("32-true", "no bf16 autocast on this CPU")
+    shapes = linear_shapes(model)
+    if not shapes:
+        return PrecisionChoice("32-true", "no linear layers to measure")
+    key = _cache_key(shapes)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = precision_cache_dir(cache_dir) / f"{digest}.json"
+    cached = _read_decision(path, key)
+    if cached is not None:
+        return cached
+    corrupt = path.exists()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    ticks, own, start = _busy_ticks(cpus), time.process_time(), time.perf_counter()
+    fp32, bf16 = time_linears(shapes)
+    seconds = time.perf_counter() - start
+    others = _others_cpu_seconds(ticks, _busy_ticks(cpus), time.process_time() - own)
+    # other processes on the cores this one needs (2 threads on 2 cores while tests run): every
+    # parallel region then waits for a time slice (10 ms for a product of 0.1 ms), which says
+    # nothing about the machine. Decided on one thread instead (the ratio per core), and not kept
+    threads = torch.get_num_threads()
+    if others is not None and threads > 1 and others > (len(cpus) - threads + 0.25) * seconds + 0.05:
+        torch.set_num_threads(1)
+        try:
+            fp32, bf16 = time_linears(shapes)
+        finally:
+            torch.set_num_threads(threads)
+        log.warning("other processes kept this process's CPUs busy while the precision was measured (%.1f of %d "
+                    "cores): decided on one thread, not cached (measured again next run)", others / seconds, len(cpus))
+        return PrecisionChoice("bf16-mixed" if bf16 > fp32 else "32-true",
+                               "measured on one thread, the CPU being busy: not cached", fp32, bf16)
+    return _write_decision(path, key, PrecisionChoice("bf16-mixed" if bf16 > fp32 else "32-true",
+                                                      f"measured in {seconds:.2f} s, cached in {path}", fp32, bf16), seconds,
+                           corrupt)
+
+
+def _busy_ticks(cpus: list[int]) -> int | None:
+    """The busy clock ticks of ``cpus`` so far (/proc/stat: user, nice, system, irq, softirq,
+    steal), all processes together; None where that cannot be read."""
+    if not cpus:
+        return None
+    try:
+        busy = 0
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *fields = line.split()
+            if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in cpus:
+                busy += sum(int(f) for f in fields[:3]) + sum(int(f) for f in fields[5:8])
+        return busy
+    except (OSError, ValueError):
+        return None
+
+
+def _others_cpu_seconds(before: int | None, after: int | None, own: float) -> float | None:
+    """CPU seconds that other processes spent on these CPUs between two ``_busy_ticks``."""
+    if before is None or after is None:
+        return None
+    return (after - before) / os.sysconf("SC_CLK_TCK") - own
+
+
+# the precision ``auto`` became in this run, for the DDP ranks Lightning starts from its environment
+AUTO_PRECISION_ENV = "TEXTRL_AUTO_PRECISION"
+
+
+def resolve_auto_precision(cfg: TrainConfig, model: nn.Module, device: str | torch.device,
+                           decided: str | None = None) -> PrecisionChoice | None:
+    """Completes ``textrl.config.resolve`` once the policy is built: ``memory.precision=auto`` (which
+    ``resolve`` leaves on a CPU) becomes ``decided`` when given (a resumed run's checkpoint, rank 0's
+    decision), else ``choose_precision``'s choice, and ``ppo.recompute_old=null`` follows it (true
+    exactly under mixed precision). Returns the measured choice; None where the precision was
+    already decided (forced by the memory option, ``resolve``'s on CUDA, or ``decided``)."""
+    choice = None
+    if cfg.memory.precision == "auto" and decided in AUTOCAST_DTYPES.keys() | {"32-true"}:
+        log.info("memory=auto: precision %s, as this run decided before (its checkpoint, or DDP's rank 0)", decided)
+        cfg.memory.precision = decided
+    elif cfg.memory.precision == "auto":
+        choice = choose_precision(model, device, cfg.cache_dir)
+        cfg.memory.precision = choice.precision
+    resolve_recompute_old(cfg)  # ppo.recompute_old=null, now that the precision is known
+    return choice
+
+
+def resolve_precision(precision: str, model: nn.Module | None, device: str | torch.device,
+                      cache_dir: str | Path | None = None) -> str:
+    """``precision``, with ``auto`` decided as training decides it (``choose_precision``, logged)."""
+    if precision != "auto":
+        return precision
+    if model is None:
+        raise ValueError("precision=auto is decided on the model: pass the model")
+    choice = choose_precision(model, device, cache_dir)
+    log.info("memory=auto: %s", choice.describe())
+    return choice.precision
+
+
+def autocast_context(precision: str, device: str | torch.device, model: nn.Module | None = None,
+                     cache_dir: str | Path | None = None) -> contextlib.AbstractContextManager:
     """``torch.autocast`` on ``device`` for ``bf16-mixed`` / ``16-mixed`` (what Lightning's mixed
-    precision wraps every forward in), no autocast for ``32-true``; ``auto`` is resolved as training
-    resolves it: bf16-mixed where the device computes in bf16 natively, else 32-true."""
+    precision wraps every forward in), no autocast for ``32-true``; ``auto`` is decided as training
+    decides it, for ``model`` (``choose_precision``: measured on a CPU, cached under ``cache_dir``)."""
     device_type = torch.device(device).type
-    if precision == "auto":
-        precision = "bf16-mixed" if native_bf16(device_type == "cuda") else "32-true"
+    precision = resolve_precision(precision, model, device, cache_dir)
     if precision == "32-true":
         return contextlib.nullcontext()
     if precision not in AUTOCAST_DTYPES:

@@ -1,0 +1,141 @@
+"""The figures bench/learn.py and bench/iteration.py compute, on synthetic inputs (no training):
+minutes to a held-out win rate, and the model FLOPs of a forward and a backward."""
+
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+# noqa: E402 below: bench/ is a script directory, not a package
+import textrl.ppo.update as update_module  # noqa: E402
+from iteration import Counts, ModelFlops, blocks_of  # noqa: E402
+from learn import eval_minutes, from_stored, minutes_to, reached, wall_eval_minutes  # noqa: E402
+from textrl.config import load_model_config  # noqa: E402
+from textrl.policy.decoding import ConstrainedDecoder  # noqa: E402
+from textrl.policy.model import build_policy  # noqa: E402
+from textrl.policy.trie import CommandTrie  # noqa: E402
+from textrl.ppo.sequences import TrainingSequence  # noqa: E402
+
+
+def _train(iteration, rollout, update, recompute=""):
+    return {"iteration": f"{iteration}.0", "perf/rollout_s": str(rollout), "perf/recompute_s": str(recompute),
+            "perf/reference_s": "", "perf/update_s": str(update), "eval/win_rate": "", "perf/eval_s": ""}
+
+
+def _eval(iteration, win_rate, seconds):
+    return {"iteration": f"{iteration}.0", "eval/win_rate": str(win_rate), "perf/eval_s": str(seconds),
+            "perf/rollout_s": ""}
+
+
+# metrics.csv rows as csv.DictReader reads them: a warm start's row, an evaluation before training,
+# four iterations of 60 s (20 + 5 + 35) with an evaluation after the 2nd and the 4th
+ROWS = [{"iteration": "0.0", "warm_start/loss": "1.2", "perf/rollout_s": ""}, _eval(0, 0.0, 30),
+        _train(1, 20, 35, 5), _train(2, 20, 35, 5), _eval(2, 0.5, 12),
+        _train(3, 20, 35, 5), _train(4, 20, 35, 5), _eval(4, 0.84375, 18)]
+
+
+def test_minutes_to_each_win_rate_from_the_logged_phases():
+    curve = eval_minutes(ROWS)
+    # 30 s; 30 + 2 x 60 + 12 = 162 s; 162 + 2 x 60 + 18 = 300 s
+    assert curve == [[0, 0.5, 0.0], [2, 2.7, 0.5], [4, 5.0, 0.84375]]
+    assert minutes_to(curve) == {"0.5": 2.7, "0.8": 5.0, "0.9": None}  # 0.5 reached exactly counts
+    # the run's wall time (10 minutes for 5 logged) spreads what no phase logs in proportion
+    assert eval_minutes(ROWS, total_minutes=10) == [[0, 1.0, 0.0], [2, 5.4, 0.5], [4, 10.0, 0.84375]]
+
+
+def test_minutes_aggregate_over_the_seeds_that_reached_each_win_rate():
+    runs = [{"seed": 1, "minutes_to_win_rate": {"0.5": 2.0, "0.8": 4.0, "0.9": None}},
+            {"seed": 2, "minutes_to_win_rate": {"0.5": 3.0, "0.8": None, "0.9": None}},
+            {"seed": 3}]  # recorded before these figures: left out
+    out = reached(runs)
+    assert out["0.5"] == {"mean": 2.5, "std": 0.71, "reached": "2/2", "seeds": [1, 2], "values": [2.0, 3.0]}
+    assert out["0.8"]["mean"] == 4.0 and out["0.8"]["reached"] == "1/2" and out["0.8"]["std"] == 0.0
+    assert out["0.9"] == {"mean": None, "std": None, "reached": "0/2", "seeds": [1, 2], "values": [None, None]}
+
+
+def test_wall_clock_minutes_from_the_evaluations_transcript_files(tmp_path):
+    started = 1_000_000.0
+    (tmp_path / "transcripts").mkdir()
+    for iteration, seconds in ((0, 30), (2, 180)):
+        path = tmp_path / "transcripts" / f"iter_{iteration:04d}.md"
+        path.write_text("")
+        os.utime(path, (started + seconds, started + seconds))
+    assert wall_eval_minutes(tmp_path, started, [[0, 0.0, 8.0], [2, 0.5, 4.0]]) == [[0, 0.5, 0.0], [2, 3.0, 0.5]]
+    assert wall_eval_minutes(tmp_path, started, [[0, 0.0, 8.0], [4, 0.9, 2.0]]) is None  # no transcript: no wall clock
+
+
+def test_minutes_estimated_from_a_stored_result_file(tmp_path):
+    run = {"seed": 1, "minutes": 10.0, "iterations": 4, "eval_curve": [[0, 0.0, 8.0], [2, 0.5, 4.0], [4, 0.9, 2.0]],
+           "seconds_per_iteration": {"rollout": 20.0, "recompute_old": 5.0, "reference": None, "update": 35.0,
+                                     "evaluation": 20.0}}
+    path = tmp_path / "learn_x_default.json"
+    path.write_text(json.dumps({"runs": [run]}))
+    out = from_stored(path)
+    # logged: 4 x 60 + 3 x 20 = 300 s over a 600 s run: each point's logged seconds x 2
+    assert out["runs"][0]["eval_minutes"] == [[0, 0.67, 0.0], [2, 5.33, 0.5], [4, 10.0, 0.9]]
+    assert out["runs"][0]["minutes_to_win_rate"] == {"0.5": 5.33, "0.8": 10.0, "0.9": 10.0}
+
+
+def _tiny(**overrides):
+    torch.manual_seed(0)
+    policy, tokenizer = build_policy(replace(load_model_config("tiny"), **overrides))
+    return policy, tokenizer
+
+
+# conf/model/tiny.yaml: hidden 64, intermediate 128, 4 heads of 16, 2 key/value heads, 2 layers.
+# Per block: q 64x64 + k 64x32 + v 64x32 + o 64x64 + gate, up 64x128 + down 128x64 = 36,864 linear
+# weights; attention width 4 x 16 = 64. 10 tokens at positions 0..9 attend to 1 + ... + 10 = 55 keys.
+W, A, T, KEYS = 36_864, 64, 10, 55
+
+
+def test_flops_of_the_tiny_model_from_its_config():
+    policy, _ = _tiny()  # every block trains
+    flops = ModelFlops.of(policy.lm)
+    assert flops == ModelFlops(linear=[W, W], trainable=[W, W], attention=[A, A], lowest_trainable=0)
+    forward = 2 * (2 * W * T + 4 * A * KEYS)  # 2 blocks: 1,502,720
+    assert flops.forward(T, KEYS) == forward == 1_502_720
+    assert flops.backward(T, KEYS) == 2 * forward  # trainable blocks: input and weight gradients
+
+    top, _ = _tiny(trainable_layers=1)  # block 0 frozen under block 1: no backward reaches it
+    flops = ModelFlops.of(top.lm)
+    assert flops.lowest_trainable == 1 and flops.trainable == [0, W]
+    assert flops.forward(T, KEYS, first_block=1) == 2 * W * T + 4 * A * KEYS  # the frozen block replayed
+    assert flops.backward(T, KEYS) == 4 * W * T + 8 * A * KEYS
+
+    for p in blocks_of(policy.lm)[1].parameters():  # a frozen block above a trainable one
+        p.requires_grad_(False)
+    flops = ModelFlops.of(policy.lm)
+    assert flops.lowest_trainable == 0 and flops.trainable == [W, W - W]
+    # block 0: 2x its forward; block 1: input gradients only (1x) on its weights, attention's 2x
+    assert flops.backward(T, KEYS) == (4 * W * T + 8 * A * KEYS) + (2 * W * T + 8 * A * KEYS)
+
+
+def test_counted_tokens_and_keys_of_the_decoders_calls_and_the_updates_forward():
+    policy, tokenizer = _tiny()
+    policy.eval()
+    trie = CommandTrie(["go north", "go south", "look"], lambda s: [200 + ord(c) for c in s], tokenizer.eos_token_id)
+    original = ConstrainedDecoder._feed
+    counts = Counts()
+    with counts.wrapping(), torch.no_grad():
+        assert counts.error is None
+        decoder = ConstrainedDecoder(policy)
+        first = [list(range(300, 305)), list(range(300, 309))]
+        decoder.act([0, 1], first, [trie, trie], greedy=True)  # outside a training step: not counted
+        assert counts.iterations == []
+        counts.current = {}
+        decoder.reset()
+        actions = decoder.act([0, 1], first, [trie, trie], greedy=True)
+        decoder.act([0, 1], [p + a.command_ids + [400] for p, a in zip(first, actions)], [trie, trie], greedy=True)
+        # every token attends to its row's cache before it and itself: a row of n tokens, n (n + 1) / 2
+        fed = [len(f) for f in decoder.fed]
+        assert counts.current["rollout"]["tokens"] == sum(decoder.counts[k] for k in ("prefill_tokens", "fork_tokens"))
+        assert counts.current["rollout"]["keys"] == sum(n * (n + 1) // 2 for n in fed)
+        sequences = [TrainingSequence(0, 0, list(range(300, 310)), [9], [[201, 202]], [201]),
+                     TrainingSequence(1, 1, list(range(300, 306)), [5], [[201, 202]], [202])]
+        update_module.decision_forward(policy, sequences, tokenizer.pad_token_id)
+        assert counts.current["update"] == {"tokens": 16, "keys": 55 + 21, "replayed_tokens": 0, "replayed_keys": 0}
+    assert ConstrainedDecoder._feed is original  # put back
