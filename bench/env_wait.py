@@ -25,7 +25,7 @@ from textrl.games.pool import GamePool, GameSpec
 from textrl.games.workers import GameWorkers
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.model import build_policy
-from textrl.policy.precision import autocast_context
+from textrl.policy.precision import autocast_context, resolve_precision
 from textrl.rollout import Player, Sampling, episode_seeds, play_games
 
 
@@ -44,7 +44,7 @@ def main(argv=None):
     env = load_env_config(args.env)
     policy, tokenizer = build_policy(load_model_config(args.model))
     policy.eval()
-    precision = "bf16-mixed" if native_bf16(False) else "32-true"
+    precision = resolve_precision("auto", policy, "cpu")  # as training's memory=auto decides
     workers = GameWorkers(args.workers)
     results = []
     try:

@@ -5,7 +5,7 @@ prompt plus the partial command for all environments still choosing, with no KV 
 as fast as that method allows: it computes the logits of the last position only (the seed took the
 full-vocabulary logits of every position) and reads only the allowed children's, as the cached
 decoder does. Both decoders play the same games from the same seeds through training's
-``play_games`` (the env's prompt, the run's autocast -- ``memory=auto``: bf16 where the CPU has it
+``play_games`` (the env's prompt, the run's autocast -- ``memory=auto``: the faster of bf16 and fp32 on this CPU
 -- and the frozen weights held in its dtype); only the decoder differs. (Results before the commit
 that introduced ``play_games`` used a fixed 2,048-token prompt budget without ``env.goal_last``:
 compare figures only within one result file.) Rounds alternate the two
@@ -30,7 +30,7 @@ from textrl.config import default_decode_groups, env_options, load_env_config, l
 from textrl.games.pool import GamePool, GameSpec
 from textrl.policy.decoding import ConstrainedDecoder, Cursor, choose, recorded_temperature
 from textrl.policy.model import PolicyValueModel, build_policy
-from textrl.policy.precision import autocast_context
+from textrl.policy.precision import autocast_context, resolve_precision
 from textrl.rollout import Player, Sampling, episode_seeds, play_games
 
 
@@ -76,16 +76,16 @@ def main(argv=None):
                     help="decode the envs as this many groups, both decoders (default: training's on a CPU)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--precision", default="auto", choices=["auto", "32-true", "bf16-mixed"],
-                    help="auto: bf16 autocast where the CPU computes bf16 natively (as training's memory=auto)")
+                    help="auto: the faster of bf16 autocast and fp32 on this CPU, as training's memory=auto decides")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/rollout.json")
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    precision = args.precision if args.precision != "auto" else ("bf16-mixed" if native_bf16(False) else "32-true")
     env = load_env_config(args.env)
     policy, tokenizer = build_policy(load_model_config(args.model))
     policy.eval()
+    precision = resolve_precision(args.precision, policy, "cpu")  # auto: as training decides it
     games = GamePool(GameSpec.from_env(env)).games("eval", args.envs)
     groups = args.groups or default_decode_groups(args.envs, cuda=False)
     # both play as training's rollouts do (play_games): env's prompt, the run's autocast, frozen
