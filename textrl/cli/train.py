@@ -86,8 +86,8 @@ def _build_and_fit(cfg: TrainConfig, callbacks: list[L.Callback], resume_state: 
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device)
     # memory.precision=auto on a CPU (resolve leaves it): the faster of fp32 and bf16 on this model's
     # layer shapes, measured once per machine and cached; ppo.recompute_old=null follows. Decided
-    # here, before the warm start, the module and the Trainer read them. The random state is untouched
-    # a resumed run keeps the precision it trained with (its checkpoint's); DDP's other ranks, which
+    # here, before the warm start, the module and the Trainer read them; the random state is untouched.
+    # A resumed run keeps the precision it trained with (its checkpoint's); DDP's other ranks, which
     # Lightning starts with this process's environment, take this rank's decision instead of measuring
     # on cores the ranks share (they could decide otherwise)
     decided = ((resume_state or {}).get("config", {}).get("memory", {}).get("precision")
