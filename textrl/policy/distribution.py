@@ -1,7 +1,7 @@
 """The policy's distribution at a fork of the command trie: over the fork's children only.
 
 A fork's children are a few token ids. Every function here works on rows [forks, width] of their
-logits, padded to the widest fork (``fork_index``), with ``valid`` marking the real entries; a bool
+logits, padded to the widest fork (``Forks``), with ``valid`` marking the real entries; a bool
 mask over the whole vocabulary is the same computation, only wider. The decoder draws from
 ``fork_logprobs`` and the PPO loss recomputes it from the same entries, so the two cannot drift
 apart: that is what keeps the first minibatch's ratio at exactly 1.
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from textrl.policy.device import ints_to_device
 
 
 def fork_parts(allowed: list[list[int]]) -> dict[str, list[int]]:
@@ -41,12 +40,6 @@ class Forks:
         index = ints["fork_index"].view(len(allowed), max(sizes))
         valid = torch.arange(index.shape[1], device=index.device)[None] < ints["fork_sizes"][:, None]
         return cls(index, valid, sizes)
-
-
-def fork_index(allowed: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index, valid) of forks with these allowed token ids, copied to ``device`` on their own."""
-    forks = Forks.on_device(allowed, ints_to_device(fork_parts(allowed), device))
-    return forks.index, forks.valid
 
 
 def fork_logprobs(logits: torch.Tensor, valid: torch.Tensor, temperature: float | torch.Tensor = 1.0,

@@ -20,6 +20,7 @@ import torch
 
 from textrl.config import TrainConfig
 from textrl.errors import ConfigError
+from textrl.policy.device import uses_cuda
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def machine_slot(cfg: TrainConfig):
     if not cfg.trainer.share_machine:
         yield None
         return
-    on_gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+    on_gpu = uses_cuda(cfg.trainer.accelerator)
     slots = slot_count(cfg, on_gpu)
     folder = Path(cfg.output_dir).parent / ".slots"  # a multirun's jobs are siblings in its sweep folder
     folder.mkdir(parents=True, exist_ok=True)
