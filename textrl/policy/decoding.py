@@ -4,8 +4,9 @@
 
 1. Each environment's prompt is fed once. The cache persists across turns of an episode, so when
    the new prompt extends what the row already holds (the prompt builder makes prompts append-only
-   until history is truncated), only the new tokens are fed. A row whose prompt does not extend its
-   cache (its history was truncated) starts again from position 0, in the same call.
+   until history is cut), only the new tokens are fed. When the history was cut, the cut turns are
+   dropped from the row's cache and again only the new tokens are fed (``textrl.policy.stream``);
+   a row whose prompt is neither (a new episode) starts again from position 0, in the same call.
 2. Rows then advance in lockstep, one model call per fork level: each call feeds every row's
    pending tokens (the token just chosen plus the forced single-child chain after it) and reads the
    hidden state after each row's last one.
@@ -42,8 +43,9 @@ import torch
 from textrl.policy.device import PhaseTimer, ints_to_device
 from textrl.policy.distribution import Forks, entropy, fork_logprobs, fork_parts
 from textrl.policy.frozen_prefix import FrozenPrefix
-from textrl.policy.model import PolicyValueModel
+from textrl.policy.model import SDPA, PolicyValueModel
 from textrl.policy.ragged_cache import RaggedCache
+from textrl.policy.stream import Drop, find_cut, runs
 from textrl.policy.trie import CommandTrie
 
 
@@ -69,10 +71,23 @@ class Action:
     # turns it extends, this command up to its last fork) and the last frozen block's outputs over
     # them, in pieces; ``training_sequences`` takes them over (and sets this back to None)
     prefix_output: tuple[list[int], list[torch.Tensor]] | None = field(default=None, compare=False, repr=False)
+    # where the decoder put this turn in its row's stream (``textrl.policy.stream``); None for an
+    # action it did not decode (``forced_action``)
+    place: "StreamPlace | None" = field(default=None, compare=False, repr=False)
 
     @property
     def logprob(self) -> float:
         return sum(d.logprob for d in self.decisions)
+
+
+@dataclass(frozen=True)
+class StreamPlace:
+    """Where an action's command sits in its row's stream: what the update needs to replay the
+    row's cache (``training_sequences``)."""
+
+    new: bool  # the row started a new stream (position 0) for this prompt
+    offset: int  # the stream position of the command's first token (the prompt's length in the stream)
+    drops: tuple[Drop, ...]  # the stream's cuts so far
 
 
 @dataclass
@@ -119,7 +134,11 @@ class ConstrainedDecoder:
     def reset(self) -> None:
         self.cache: RaggedCache | None = None
         self.slots: list = []
-        self.fed: list[list[int]] = []  # real tokens already in each row's cache
+        self.fed: list[list[int]] = []  # each row's stream: every token fed since it started at position 0
+        self.held: list[list[int]] = []  # the tokens each row's cache holds (its stream less the cut turns)
+        self.held_at: list[list[int]] = []  # their stream positions
+        self.drops: list[list[Drop]] = []  # each row's cuts (``textrl.policy.stream``)
+        self.places: list[StreamPlace | None] = []  # each row's latest prompt's place in its stream
         self.captured: list[list[torch.Tensor]] = []  # with ``capture``: the frozen output at each of them
         # new ones: decode_episodes() reads the finished profile before the next reset
         self._timer: PhaseTimer | None = None
@@ -148,13 +167,14 @@ class ConstrainedDecoder:
             # one padded attention call per layer on a GPU, one per row elsewhere (ragged_cache docstring)
             batched = self.device.type != "cpu" if self.batched is None else self.batched
             self.cache = RaggedCache(len(slots), self.device, batched=batched)
-            self.fed = [[] for _ in slots]
-            self.captured = [[] for _ in slots]
+            for name in ("fed", "held", "held_at", "drops", "captured"):
+                setattr(self, name, [[] for _ in slots])
+            self.places = [None] * len(slots)
         elif slots != self.slots:
             rows = [self.slots.index(s) for s in slots]
             self.cache.select(rows)
-            self.fed = [self.fed[r] for r in rows]
-            self.captured = [self.captured[r] for r in rows]
+            for name in ("fed", "held", "held_at", "drops", "captured", "places"):
+                setattr(self, name, [getattr(self, name)[r] for r in rows])
         self.slots = list(slots)
 
     def _feed(self, chunks: list[list[int]], phase: str, rows: list[int],
@@ -195,7 +215,9 @@ class ConstrainedDecoder:
                     offset += n
         self.counts[f"{phase}_tokens"] += len(parts["ids"])
         self.counts["calls"] += 1
-        for fed, chunk in zip(self.fed, chunks):
+        for fed, held, held_at, chunk in zip(self.fed, self.held, self.held_at, chunks):
+            held_at.extend(range(len(fed), len(fed) + len(chunk)))
+            held.extend(chunk)
             fed.extend(chunk)
         return hidden[0, ints["last"]], (Forks.on_device(forks, ints) if forks is not None else None)
 
@@ -203,17 +225,48 @@ class ConstrainedDecoder:
                  forks: list[list[int]] | None) -> tuple[torch.Tensor, Forks | None]:
         """Feed each row what its cache lacks of its prompt, plus the forced tokens up to its first
         fork; return ``_feed``'s hidden states there for ``rows`` (the state the first decision and
-        its value read). A row whose prompt does not extend what it holds (its history was
-        truncated) starts again from position 0, in the same call."""
+        its value read). A row whose history was cut drops the cut turns (``_cut``); a row whose
+        prompt neither extends nor cuts what it holds starts again from position 0, in the same call."""
         self._select(slots)
         pending = []
         for r, (prompt, cursor) in enumerate(zip(prompts, cursors)):
-            fed = self.fed[r]
-            if not (len(prompt) > len(fed) and prompt[: len(fed)] == fed):
+            held = self.held[r]
+            extends = len(prompt) > len(held) and prompt[: len(held)] == held
+            if not (self._fits(r, len(prompt) - len(held), cursor) if extends else self._cut(r, prompt, cursor)):
                 self.cache.restart(r)
-                self.fed[r], self.captured[r] = [], []
-            pending.append(list(prompt[len(self.fed[r]):]) + cursor.new)
+                for name in ("fed", "held", "held_at", "drops", "captured"):
+                    getattr(self, name)[r] = []
+            new = list(prompt[len(self.held[r]):])
+            self.places[r] = StreamPlace(not self.fed[r], len(self.fed[r]) + len(new), tuple(self.drops[r]))
+            pending.append(new + cursor.new)
         return self._feed(pending, "prefill", rows, forks)
+
+    def _cut(self, r: int, prompt: list[int], cursor: "Cursor") -> bool:
+        """Drop from row r's cache the turns its history cut, if ``prompt`` is what it holds less a
+        stretch, plus new tokens (``find_cut``), and the stream then still fits the model's
+        positions with the longest command; False (nothing dropped) otherwise, or where the update
+        could not reproduce the cut (an attention implementation other than textrl's SDPA)."""
+        if self.policy.lm.config._attn_implementation != SDPA or not self.held[r]:
+            return False
+        cut = find_cut(self.held[r], prompt)
+        if cut is None:
+            return False
+        s, e = cut
+        if not self._fits(r, len(prompt) - (len(self.held[r]) - (e - s)), cursor):
+            return False
+        at = len(self.fed[r])
+        self.drops[r] += [Drop(at, a, b) for a, b in runs(self.held_at[r][s:e])]
+        del self.held[r][s:e], self.held_at[r][s:e]
+        self.cache.drop(r, s, e)
+        return True
+
+    def _fits(self, r: int, new: int, cursor: "Cursor") -> bool:
+        """Whether row r's stream, with ``new`` more prompt tokens and the longest command after
+        them, stays within the model's positions (a stream with cuts counts more positions than it
+        holds tokens)."""
+        limit = self.policy.position_limit
+        longest = max(len(ids) for ids in cursor.trie.commands.values())
+        return limit is None or len(self.fed[r]) + new + longest <= limit
 
     @torch.no_grad()
     def act(self, slots: list, prompts: list[list[int]], tries: list[CommandTrie], temperature: float = 1.0,
@@ -241,6 +294,8 @@ class ConstrainedDecoder:
             live = [r for r, c in enumerate(cursors) if not c.done]
             hidden, forks = self._feed(chunks, "fork", live, [cursors[r].children for r in live] or None)
         actions = [c.action(temperature) for c in cursors]
+        for action, place in zip(actions, self.places):
+            action.place = place
         if self.capture is not None:
             for action, fed, captured in zip(actions, self.fed, self.captured):
                 action.prefix_output = (list(fed), list(captured))

@@ -30,6 +30,7 @@ from textrl.config import ModelConfig, default_cache_dir, load_model_config
 from textrl.policy.device import process_device
 from textrl.policy.memory import apply_memory, quantization_config
 from textrl.policy.ragged_cache import routed_to_ragged
+from textrl.policy.stream import stream_attention
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,16 @@ def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     (``enable_gqa``), with the same result (pinned by tests/test_attention_gqa.py). Everywhere
     else, transformers' function unchanged. (The rollout decoder's calls run
     ``textrl.policy.ragged_cache.ragged_attention`` instead.)
+
+    A forward over streams with cut turns (``stream``: the update's, ``textrl.policy.stream``)
+    attends block by block as the rollout did; passed as an argument, it survives gradient
+    checkpointing's second forward.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # slow import: see load_lm
+
+    stream = kwargs.pop("stream", None)
+    if stream is not None:
+        return stream_attention(query, key, value, stream, scaling, dropout), None
 
     groups = getattr(module, "num_key_value_groups", 1)
     if query.device.type != "cpu" or groups == 1 or attention_mask is None or query.shape[2] == 1 \
@@ -326,20 +335,23 @@ class PolicyValueModel(nn.Module):
         limit = getattr(self.lm.config.get_text_config(), "max_position_embeddings", None)
         return int(limit) if isinstance(limit, int) and limit > 0 else None
 
-    def hidden(self, input_ids, attention_mask, position_ids, past_key_values=None):
+    def hidden(self, input_ids, attention_mask, position_ids, past_key_values=None, stream=None):
         """Last-layer hidden states for every input position, and the updated KV cache (if one is given).
 
         ``attention_mask`` covers the cached positions and the new ones; it may have holes (left
-        padding), which is why ``position_ids`` are always explicit.
+        padding), which is why ``position_ids`` are always explicit. ``stream``: the rows are
+        streams with cut turns (a ``textrl.policy.stream.StreamLayout``), which ``sdpa_attention``
+        attends block by block instead (the decoder cuts only under it).
 
         Runs the LM without its head (``get_decoder``: the stack up to the final norm). With the
         head, even for one position a row, a frozen head's whole [vocabulary x hidden] weight would
         be cast under autocast at every call and multiplied out for logits nobody reads. The logits
         that are needed come from ``logits_of`` (a fork's children) or ``logits``.
         """
+        extra = {} if stream is None else {"stream": stream}  # passed down to every attention call
         out = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=past_key_values is not None,
+            past_key_values=past_key_values, use_cache=past_key_values is not None, **extra,
         )
         return out.last_hidden_state, out.past_key_values
 

@@ -13,8 +13,10 @@ Storage: per layer one flat buffer of keys and one of values, ``[kv heads, capac
 in which every row owns a contiguous stretch with room to grow, so a call writes only its new
 tokens (``index_copy_``) and a row's keys are a view. When a row outgrows its stretch, all rows move
 to new stretches with half again their length to spare (a copy of the cache, every
-few turns; ``layout`` decides it, ``feeding`` copies). Rows leave by being forgotten, and a row whose history was truncated starts again at
-length 0 in its own stretch: no holes in the cache and no compaction.
+few turns; ``layout`` decides it, ``feeding`` copies). Rows leave by being forgotten; a row whose
+history was cut either drops the cut turns (``drop``: the next call's copy moves the kept positions
+together, so the cache never has holes; ``textrl.policy.stream``) or starts again at length 0 in
+its own stretch.
 
 Attention per row is one SDPA call per row and layer: on a CPU, the cheapest (no padded query or
 key is computed at all). On a GPU that is many small kernels for a wide batch, so there
@@ -66,6 +68,7 @@ class RaggedCache:
         self.capacity = 0
         self.keys: dict[int, torch.Tensor] = {}  # layer index -> [kv heads, capacity, head dim]
         self.values: dict[int, torch.Tensor] = {}
+        self.kept: dict[int, list[int]] = {}  # row -> the offsets in its stretch it keeps after drops, until the next call moves them
         self._call = None  # the layout of the call in progress (``feeding``)
 
     @property
@@ -77,10 +80,19 @@ class RaggedCache:
         self.lengths = [self.lengths[r] for r in rows]
         self.starts = [self.starts[r] for r in rows]
         self.room = [self.room[r] for r in rows]
+        self.kept = {new: self.kept[old] for new, old in enumerate(rows) if old in self.kept}
 
     def restart(self, row: int) -> None:
         """Forget a row's positions: its next tokens are fed from position 0."""
         self.lengths[row] = 0
+        self.kept.pop(row, None)
+
+    def drop(self, row: int, start: int, stop: int) -> None:
+        """Forget a row's positions ``start:stop`` (in the order it holds them); the others keep their
+        keys, values and order. The next call's copy moves them together (``layout``)."""
+        kept = self.kept.get(row, range(self.lengths[row]))
+        self.kept[row] = [*kept[:start], *kept[stop:]]
+        self.lengths[row] = len(self.kept[row])
 
     def layout(self, new: list[int]) -> "CallLayout":
         """The layout of one call that appends ``new[r]`` tokens to row r (the call's input packs them
@@ -93,10 +105,11 @@ class RaggedCache:
         ends = [n + k for n, k in zip(self.lengths, new)]
         parts: dict[str, list[int]] = {}
         starts, room = self.starts, self.room
-        if any(e > r for e, r in zip(ends, self.room)):
+        if self.kept or any(e > r for e, r in zip(ends, self.room)):  # rows dropped positions, or one outgrew its stretch
             room = [-(-(n + n // 2) // 64) * 64 for n in ends]
             starts = [sum(room[:r]) for r in range(len(room))]
-            parts["relayout_src"] = [i for s, n in zip(self.starts, self.lengths) for i in range(s, s + n)]
+            parts["relayout_src"] = [s + i for r, (s, n) in enumerate(zip(self.starts, self.lengths))
+                                     for i in self.kept.get(r, range(n))]
             parts["relayout_dst"] = [i for s, n in zip(starts, self.lengths) for i in range(s, s + n)]
         parts["dest"] = [i for s, n, e in zip(starts, self.lengths, ends) for i in range(s + n, s + e)]
         offsets = [0]
@@ -128,6 +141,7 @@ class RaggedCache:
                     moved[:, ints["relayout_dst"]] = old[:, ints["relayout_src"]]
                     store[layer] = moved
             self.capacity = sum(call.room)
+            self.kept = {}
         self.starts, self.room = call.starts, call.room
         state = {"dest": ints["dest"], "spans": call.spans, "masks": []}
         if self.batched and call.spans:

@@ -1,10 +1,11 @@
 """Rollout episodes -> training sequences, the one forward over a batch of them, and the
 optimizer steps over them.
 
-Consecutive turns of an episode are merged into one sequence whenever the next prompt extends
-the previous prompt + command (the prompt builder makes prompts append-only until history is
-truncated), so one forward over the sequence gives the new log-probs of the decisions of all those
-turns at once. Causal attention makes this exactly the computation of one forward per turn.
+The turns an episode's row played in one stream of its decoder's cache -- every token fed since
+the row last started at position 0, the history's cuts included (``textrl.policy.stream``) -- are
+one sequence, so one forward over it gives the new log-probs of the decisions of all those turns at
+once. Causal attention, with each cut's tokens hidden from the tokens fed after it
+(``stream_attention``), makes this exactly the computation the rollout did turn by turn.
 
 A sequence is built once and never written to. What belongs to its decisions (the rollout's
 log-probs and values, then old log-probs, advantages, returns, reference log-probs) lives in flat
@@ -24,6 +25,7 @@ from textrl.policy.device import ints_to_device
 from textrl.policy.distribution import Forks, fork_parts
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import SDPA, PolicyValueModel
+from textrl.policy.stream import Drop, StreamLayout
 from textrl.rollout import Episode
 
 
@@ -35,6 +37,7 @@ class TrainingSequence:
     positions: list[int]  # the hidden state index that predicts each decision token
     allowed: list[list[int]]  # each decision's fork: its children, sorted
     tokens: list[int]  # each decision's token taken
+    drops: tuple[Drop, ...] = ()  # cut turns its later tokens do not see (``textrl.policy.stream``)
 
     @property
     def decisions(self) -> range:
@@ -61,7 +64,9 @@ class RolloutDecisions:
 
 def training_sequences(episodes: list[Episode]) -> RolloutDecisions:
     """The episodes' turns merged into sequences (module docstring), each ending at its last
-    decision's position: the tokens after it feed nothing the update reads. When the rollout kept the
+    decision's position: the tokens after it feed nothing the update reads. Each action's
+    ``place`` says where the decoder put it in its row's stream; an action without one (not
+    decoded: ``forced_action``) joins the sequence its prompt extends. When the rollout kept the
     frozen blocks' outputs (``Action.prefix_output``), the sequence's are taken over (the action's
     reference is dropped, so the iteration holds one copy)."""
     sequences: list[TrainingSequence] = []
@@ -71,13 +76,17 @@ def training_sequences(episodes: list[Episode]) -> RolloutDecisions:
         current: _Merging | None = None
         merged: list[_Merging] = []
         for step in episode.steps:
-            prompt = step.prompt_ids
-            if current is None or current.ids != prompt[: len(current.ids)]:
+            prompt, place = step.prompt_ids, step.action.place
+            if current is None or (current.ids != prompt[: len(current.ids)] if place is None else place.new):
                 current = _Merging(first=len(logprobs))
                 merged.append(current)
-            current.ids += prompt[len(current.ids):] + step.action.command_ids
+            # the stream's new tokens: the end of the prompt (what the row did not hold)
+            offset = len(prompt) if place is None else place.offset
+            current.ids += prompt[len(prompt) - (offset - len(current.ids)):]
+            current.drops = () if place is None else place.drops
+            current.ids += step.action.command_ids
             for d in step.action.decisions:
-                current.positions.append(len(prompt) + d.index - 1)
+                current.positions.append(offset + d.index - 1)
                 current.allowed.append(d.allowed)
                 current.tokens.append(d.token)
                 logprobs.append(d.logprob)
@@ -88,7 +97,9 @@ def training_sequences(episodes: list[Episode]) -> RolloutDecisions:
         for m in merged:
             if m.tokens:
                 ids = m.ids[: max(m.positions) + 1]
-                sequences.append(TrainingSequence(len(sequences), m.first, ids, m.positions, m.allowed, m.tokens))
+                drops = tuple(d for d in m.drops if d.at < len(ids))
+                sequences.append(TrainingSequence(len(sequences), m.first, ids, m.positions, m.allowed, m.tokens,
+                                                  drops))
                 prefix_outputs.append(_recorded_prefix(m.captured, ids))
     f32 = torch.float32
     return RolloutDecisions(sequences, torch.tensor(logprobs, dtype=f32), torch.tensor(values, dtype=f32),
@@ -104,6 +115,7 @@ class _Merging:
     positions: list[int] = field(default_factory=list)
     allowed: list[list[int]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    drops: tuple[Drop, ...] = ()
     captured: tuple[list[int], list[torch.Tensor]] | None = None
 
 
@@ -149,32 +161,42 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
     states, the forks' children, the tokens taken, the decisions' places) goes to the device in one
     copy (``ints_to_device``); the padding mask is built there from the lengths.
 
+    A batch with cut turns (``TrainingSequence.drops``) attends as its rollout did, block by block
+    (``textrl.policy.stream``); the others with causal attention over their padding mask.
+
     With ``prefix``, a batch whose sequences all have a recorded frozen-block output skips the
     frozen blocks; any other batch runs in full and records it in ``prefix`` for later forwards."""
     device = next(policy.parameters()).device
     lengths = [len(s.input_ids) for s in batch]
     width = max(lengths)
     allowed = [a for s in batch for a in s.allowed]
+    stream, stream_keys = None, {}
+    if any(s.drops for s in batch):
+        rows, keys = StreamLayout.parts([(len(s.input_ids), s.drops) for s in batch])
+        stream, stream_keys = StreamLayout(rows), {"stream_keys": keys}
     ints = ints_to_device({
         "ids": [t for s in batch for t in s.input_ids + [pad_id] * (width - len(s.input_ids))],
         "lengths": lengths,
         "at": [r * width + c for r, s in enumerate(batch) for c in s.positions],  # the hidden state each decision reads
         "chosen": [a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))],
         "decisions": [k for s in batch for k in s.decisions],
-        **fork_parts(allowed)}, device)
+        **fork_parts(allowed), **stream_keys}, device)
     ids = ints["ids"].view(len(batch), width)
     positions = torch.arange(width, device=device)[None].expand_as(ids)  # right padding: plain 0..n-1, as in the rollout
-    mask = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None
+    if stream is not None:  # the blocks' masks cover the padding too
+        mask, extra = None, {"stream": stream.on_device(ints["stream_keys"])}
+    else:
+        mask, extra = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None, {}
     if prefix is None:
-        hidden, _ = policy.hidden(ids, mask, positions)
+        hidden, _ = policy.hidden(ids, mask, positions, **extra)
     elif all(prefix.outputs[s.index] is not None for s in batch):
         # zeros at the padding: causal attention keeps them out of every real position
         recorded = torch.nn.utils.rnn.pad_sequence([prefix.outputs[s.index] for s in batch], batch_first=True)
         with prefix.frozen.replay(recorded):
-            hidden, _ = policy.hidden(ids, mask, positions)
+            hidden, _ = policy.hidden(ids, mask, positions, **extra)
     else:
         with prefix.frozen.record() as recorded:
-            hidden, _ = policy.hidden(ids, mask, positions)
+            hidden, _ = policy.hidden(ids, mask, positions, **extra)
         output = prefix.frozen.recorded_output(recorded)
         for r, s in enumerate(batch):
             prefix.outputs[s.index] = output[r, : len(s.input_ids)].detach()
