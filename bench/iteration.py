@@ -250,11 +250,13 @@ class Counts:
         def feed(original):
             @functools.wraps(original)
             def wrapper(decoder, chunks, *args, **kwargs):
-                # before the call, which appends the chunks: row r's new tokens sit at positions
-                # len(fed[r]) .. len(fed[r]) + n - 1 of its cache and attend to position + 1 keys
+                # before the call, which appends the chunks: row r's new tokens follow the tokens
+                # its cache holds (``held``: its stream less cut turns; older commits: ``fed``) and
+                # attend to them and to themselves, causally
                 with counts.guarded():
+                    held = getattr(decoder, "held", decoder.fed)
                     counts.add("rollout", sum(len(c) for c in chunks),
-                               sum(len(c) * len(f) + len(c) * (len(c) + 1) // 2 for f, c in zip(decoder.fed, chunks)))
+                               sum(len(c) * len(f) + len(c) * (len(c) + 1) // 2 for f, c in zip(held, chunks)))
                 return original(decoder, chunks, *args, **kwargs)
             return wrapper
 
@@ -265,7 +267,7 @@ class Counts:
                     prefix = args[1] if len(args) > 1 else kwargs.get("prefix")
                     replayed = prefix is not None and all(prefix.outputs[s.index] is not None for s in batch)
                     lengths = [len(s.input_ids) for s in batch]
-                    counts.add(counts.phase, sum(lengths), sum(n * (n + 1) // 2 for n in lengths), replayed)
+                    counts.add(counts.phase, sum(lengths), sum(attended_keys(s) for s in batch), replayed)
                 return original(policy, batch, *args, **kwargs)
             return wrapper
 
@@ -315,6 +317,22 @@ class Counts:
         finally:
             for owner, name, original in reversed(patched):
                 setattr(owner, name, original)
+
+
+def attended_keys(sequence) -> int:
+    """The keys a training sequence's tokens attend to, summed: n(n+1)/2 causally, fewer where cut
+    turns are hidden from the tokens after the cut (``textrl.policy.stream``; older commits have none)."""
+    n = len(sequence.input_ids)
+    drops = getattr(sequence, "drops", ())
+    if not drops:
+        return n * (n + 1) // 2
+    from textrl.policy.stream import blocks  # this tree's (only sequences with drops reach here)
+
+    total = 0
+    for q0, q1, keys in blocks(n, drops):
+        before, m = sum(k < q0 for k in keys), q1 - q0
+        total += m * before + m * (m + 1) // 2
+    return total
 
 
 def achieved(it: dict, counts: dict | None, model: ModelFlops, n_frozen: int, peak_gflops: float | None) -> dict | None:

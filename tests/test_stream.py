@@ -3,10 +3,12 @@ its prompt, feeds only the new tokens, and the update's forward over the stream 
 rollout computed (checked against a forward with the dense mask those cuts mean, built here from
 their definition), with the model's positions as the limit."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from textrl.config import load_model_config
+from textrl.config import load_env_config, load_model_config
 from textrl.games.env import TextGame
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder
@@ -15,7 +17,7 @@ from textrl.policy.model import build_policy
 from textrl.policy.ragged_cache import RaggedCache
 from textrl.policy.stream import Drop, blocks, find_cut
 from textrl.ppo.sequences import decision_forward, training_sequences
-from textrl.rollout import Sampling, decode_episodes
+from textrl.rollout import Player, Sampling, decode_episodes, play_games
 
 
 def dense_mask(length: int, drops) -> torch.Tensor:
@@ -199,3 +201,16 @@ def test_gradient_checkpointing_recomputes_the_stream_attention(easy_games):
         policy.lm.gradient_checkpointing_disable()
     assert len(plain) == len(checkpointed) > 0
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, checkpointed))
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_env_drop_turns_from_cache_switches_the_cuts_for_training_and_evaluation(tiny, easy_games, drop):
+    """``play_games`` (training rollouts, evaluation, textrl-eval) follows the env's setting: false
+    feeds a cut prompt again from position 0, one sequence per start."""
+    policy, tokenizer = tiny
+    env = replace(load_env_config("easy"), history_len=2, max_steps=10, drop_turns_from_cache=drop)
+    player = Player(policy, tokenizer, [ConstrainedDecoder(policy)])
+    episodes, _ = play_games(player, easy_games[:2], env, Sampling(1.0, [0, 1]))
+    sequences = training_sequences(episodes).sequences
+    assert any(s.drops for s in sequences) == drop
+    assert (len(sequences) == len(episodes)) == drop

@@ -90,6 +90,12 @@ class EnvConfig:
     # oldest turns are dropped beyond this; 8 turns of long easy room descriptions reach ~1050 tokens,
     # and an over-budget prompt is re-encoded, so leave headroom
     max_prompt_tokens: int = 1536
+    # when the history drops turns (history_len, max_prompt_tokens), drop them from the rollout's KV
+    # cache too and feed only the new tokens; false: feed the whole prompt again from position 0.
+    # Same prompts either way; true keeps the kept turns' keys as they were computed, with the dropped
+    # turns still there (textrl/policy/stream.py), and on medium feeds ~0.6x the tokens
+    # (bench/results/tokens_per_turn.json)
+    drop_turns_from_cache: bool = True
     list_commands: bool = False  # also list the admissible commands in the prompt
     # repeat the objective at the end of every observation, right before the command (false: in the
     # system message only). On by default: the best lever of RL alone in the easy ablation (docs/results.md)
@@ -117,9 +123,10 @@ class EnvConfig:
 
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
         """These games, shown the way a policy trained on ``policy_env`` saw its own: its prompt
-        settings, this setting's games, step limit, rewards and prompt budget."""
+        settings (and how its rollouts cut history from the KV cache), this setting's games, step
+        limit, rewards and prompt budget."""
         return replace(self, list_commands=policy_env.list_commands, goal_last=policy_env.goal_last,
-                       history_len=policy_env.history_len)
+                       history_len=policy_env.history_len, drop_turns_from_cache=policy_env.drop_turns_from_cache)
 
 
 @dataclass

@@ -202,6 +202,7 @@ def play_games(player: Player, games: list[Path], env: EnvConfig,
         player.policy.eval()
         for decoder in player.decoders:  # training rollouts keep the frozen blocks' outputs for the update
             decoder.capture = None if sampling is None else player.capture
+            decoder.drop_cut_turns = env.drop_turns_from_cache
         with torch.no_grad(), player.autocast(), player.policy.frozen_linears_in_autocast_dtype():
             episodes, stats = decode_episodes(envs, player.decoders, prompts, sampling, bootstrap=sampling is not None)
     finally:

@@ -129,6 +129,8 @@ class ConstrainedDecoder:
         # one padded attention call per layer (a GPU's layout) or one per row (a CPU's); None: by device
         self.batched = batched
         self.capture: FrozenPrefix | None = None  # keep the frozen blocks' outputs (module docstring)
+        # a cut history drops the cut turns from the cache (``_cut``; env.drop_turns_from_cache)
+        self.drop_cut_turns = True
         self.reset()
 
     def reset(self) -> None:
@@ -245,8 +247,9 @@ class ConstrainedDecoder:
         """Drop from row r's cache the turns its history cut, if ``prompt`` is what it holds less a
         stretch, plus new tokens (``find_cut``), and the stream then still fits the model's
         positions with the longest command; False (nothing dropped) otherwise, or where the update
-        could not reproduce the cut (an attention implementation other than textrl's SDPA)."""
-        if self.policy.lm.config._attn_implementation != SDPA or not self.held[r]:
+        could not reproduce the cut (an attention implementation other than textrl's SDPA), or
+        with ``drop_cut_turns`` off."""
+        if not self.drop_cut_turns or self.policy.lm.config._attn_implementation != SDPA or not self.held[r]:
             return False
         cut = find_cut(self.held[r], prompt)
         if cut is None:
