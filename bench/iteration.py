@@ -329,9 +329,9 @@ def attended_keys(sequence) -> int:
     from textrl.policy.stream import blocks  # this tree's (only sequences with drops reach here)
 
     total = 0
-    for q0, q1, keys in blocks(n, drops):
-        before, m = sum(k < q0 for k in keys), q1 - q0
-        total += m * before + m * (m + 1) // 2
+    for q0, q1, ranges in blocks(n, drops):  # every key before the block is seen by all of it
+        m = q1 - q0
+        total += m * (sum(b - a for a, b in ranges) - m) + m * (m + 1) // 2
     return total
 
 

@@ -51,8 +51,9 @@ def test_find_cut_keeps_what_the_prompt_keeps_and_nothing_else():
 
 def test_blocks_list_the_keys_each_stretch_between_cuts_sees():
     assert blocks(10, (Drop(6, 2, 4), Drop(8, 4, 5))) == [
-        (0, 6, [0, 1, 2, 3, 4, 5]), (6, 8, [0, 1, 4, 5, 6, 7]), (8, 10, [0, 1, 5, 6, 7, 8, 9])]
-    assert blocks(5, ()) == [(0, 5, [0, 1, 2, 3, 4])]
+        (0, 6, [(0, 6)]), (6, 8, [(0, 2), (4, 8)]), (8, 10, [(0, 2), (5, 10)])]
+    assert blocks(5, ()) == [(0, 5, [(0, 5)])]
+    assert blocks(10, (Drop(6, 0, 3),)) == [(0, 6, [(0, 6)]), (6, 10, [(3, 10)])]  # the start cut
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["per-row", "batched"])

@@ -71,69 +71,65 @@ def runs(indices: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def blocks(length: int, drops: tuple[Drop, ...] | list[Drop]) -> list[tuple[int, int, list[int]]]:
-    """The attention blocks of a stream of ``length`` tokens: ``(q0, q1, keys)``, its tokens q0:q1
-    between two cuts and the stream positions they may attend to (causally: a key up to the query's
-    own position), in order."""
+def blocks(length: int, drops: tuple[Drop, ...] | list[Drop]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """The attention blocks of a stream of ``length`` tokens: ``(q0, q1, ranges)``, its tokens q0:q1
+    between two cuts and the stream positions they may attend to, as ``(start, stop)`` ranges in
+    order. Every key before q0 in them is seen by all of the block's tokens; the last range ends with
+    the block itself, which is seen causally (a cut hides only tokens before it)."""
     cuts = sorted({d.at for d in drops if 0 < d.at < length})
     bounds = [0, *cuts, length]
     out = []
     for q0, q1 in zip(bounds, bounds[1:]):
-        keys, j = [], 0
+        ranges, j = [], 0
         for a, b in sorted((d.start, d.stop) for d in drops if d.at <= q0):
-            keys += range(j, min(a, q1))
+            if a > j:
+                ranges.append((j, a))
             j = max(j, b)
-        keys += range(j, q1)
-        out.append((q0, q1, keys))
+        ranges.append((j, q1))
+        out.append((q0, q1, ranges))
     return out
 
 
 @dataclass
 class StreamLayout:
-    """The attention blocks of a right-padded batch of streams, for one forward: per row,
-    ``(q0, q1, k0, k1)`` with the block's keys at ``keys[k0:k1]`` (on the device, with the call's
-    other ints) and its causal masks, built once for every layer."""
+    """The attention blocks of a right-padded batch of streams (``streams``: each row's length and
+    drops), for one forward: per row, ``blocks``' ranges and each block's mask, built once for
+    every layer on the device: bottom-right causal (a block's earlier keys are all seen; its own
+    tokens causally), None for a single query."""
 
-    rows: list[list[tuple[int, int, int, int]]]
-    keys: torch.Tensor | None = None
-    masks: list[list[torch.Tensor | None]] | None = None
+    rows: list[list[tuple[int, int, list[tuple[int, int]]]]]
+    masks: list[list[torch.Tensor | None]]
 
-    @staticmethod
-    def parts(streams: list[tuple[int, tuple[Drop, ...]]]) -> tuple[list[list[tuple[int, int, int, int]]], list[int]]:
-        """The host layout of streams given as ``(length, drops)``, and the key indices to copy."""
-        rows, keys = [], []
-        for length, drops in streams:
-            row = []
-            for q0, q1, k in blocks(length, drops):
-                row.append((q0, q1, len(keys), len(keys) + len(k)))
-                keys += k
-            rows.append(row)
-        return rows, keys
-
-    def on_device(self, keys: torch.Tensor) -> "StreamLayout":
-        """With the key indices on the device: each block's mask (query i sees key j at or before it)."""
+    @classmethod
+    def of(cls, streams: list[tuple[int, tuple[Drop, ...]]], device: torch.device) -> "StreamLayout":
+        rows = [blocks(length, drops) for length, drops in streams]
         masks = []
-        for row in self.rows:
-            masks.append([None if q1 - q0 == 1 else
-                          keys[k0:k1][None, :] <= torch.arange(q0, q1, device=keys.device)[:, None]
-                          for q0, q1, k0, k1 in row])
-        return StreamLayout(self.rows, keys, masks)
+        for row in rows:
+            masks.append([])
+            for q0, q1, ranges in row:
+                m, n = q1 - q0, sum(b - a for a, b in ranges)
+                masks[-1].append(None if m == 1 else torch.ones(m, n, dtype=torch.bool, device=device).tril(n - m))
+        return cls(rows, masks)
 
 
 def stream_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: StreamLayout,
                      scaling: float | None = None, dropout: float = 0.0) -> torch.Tensor:
     """Attention over a batch of streams: ``query`` [rows, heads, width, dim], ``key``/``value``
     [rows, kv heads, width, dim] (right padded); returns [rows, width, heads, dim] as
-    transformers' attention functions do, zeros at the padding (no decision reads it)."""
+    transformers' attention functions do, zeros at the padding (no decision reads it). A block's
+    keys are slices of the row's (one range: a view; several: joined), so the backward adds their
+    gradients back into slices, with no scatter."""
     rows, heads, width, dim = query.shape
     groups = heads // key.shape[1]
     cpu = query.device.type == "cpu"
     out = []
     for b, (row, masks) in enumerate(zip(layout.rows, layout.masks)):
         parts = []
-        for (q0, q1, k0, k1), mask in zip(row, masks):
-            index = layout.keys[k0:k1]
-            k, v = key[b: b + 1, :, index], value[b: b + 1, :, index]
+        for (q0, q1, ranges), mask in zip(row, masks):
+            k = torch.cat([key[b: b + 1, :, s:e] for s, e in ranges], dim=2) if len(ranges) > 1 else \
+                key[b: b + 1, :, ranges[0][0]: ranges[0][1]]
+            v = torch.cat([value[b: b + 1, :, s:e] for s, e in ranges], dim=2) if len(ranges) > 1 else \
+                value[b: b + 1, :, ranges[0][0]: ranges[0][1]]
             if groups > 1 and not cpu:  # CUDA's masked kernels take no grouped heads (see model.sdpa_attention)
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             parts.append(F.scaled_dot_product_attention(query[b: b + 1, :, q0:q1], k, v, attn_mask=mask,

@@ -170,21 +170,17 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
     lengths = [len(s.input_ids) for s in batch]
     width = max(lengths)
     allowed = [a for s in batch for a in s.allowed]
-    stream, stream_keys = None, {}
-    if any(s.drops for s in batch):
-        rows, keys = StreamLayout.parts([(len(s.input_ids), s.drops) for s in batch])
-        stream, stream_keys = StreamLayout(rows), {"stream_keys": keys}
     ints = ints_to_device({
         "ids": [t for s in batch for t in s.input_ids + [pad_id] * (width - len(s.input_ids))],
         "lengths": lengths,
         "at": [r * width + c for r, s in enumerate(batch) for c in s.positions],  # the hidden state each decision reads
         "chosen": [a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))],
         "decisions": [k for s in batch for k in s.decisions],
-        **fork_parts(allowed), **stream_keys}, device)
+        **fork_parts(allowed)}, device)
     ids = ints["ids"].view(len(batch), width)
     positions = torch.arange(width, device=device)[None].expand_as(ids)  # right padding: plain 0..n-1, as in the rollout
-    if stream is not None:  # the blocks' masks cover the padding too
-        mask, extra = None, {"stream": stream.on_device(ints["stream_keys"])}
+    if any(s.drops for s in batch):  # the blocks cover the real tokens only: the padding needs no mask
+        mask, extra = None, {"stream": StreamLayout.of([(len(s.input_ids), s.drops) for s in batch], device)}
     else:
         mask, extra = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None, {}
     if prefix is None:
