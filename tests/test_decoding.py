@@ -124,11 +124,15 @@ def test_recorded_logprobs_match_a_fresh_full_forward(tiny, prompts, easy_games)
 
 
 def test_truncated_history_drops_the_cached_row_and_stays_exact(tiny, easy_games):
+    """With cut turns not kept in the cache (``env.drop_turns_from_cache=false``; tests/test_stream.py
+    covers keeping them), a cut prompt is fed again from position 0: every decision equals a fresh
+    forward of its prompt."""
     from textrl.games.prompt import PromptBuilder
 
     policy, tokenizer = tiny
     short = PromptBuilder(tokenizer, max_prompt_tokens=400)
     decoder = ConstrainedDecoder(policy)
+    decoder.drop_cut_turns = False
     episodes, stats = decode_episodes([TextGame(p, 8) for p in easy_games[4:7]], [decoder], short)
     restarts = sum(step.prompt_ids[: len(prev.prompt_ids)] != prev.prompt_ids
                    for e in episodes for prev, step in zip(e.steps, e.steps[1:]))

@@ -119,7 +119,7 @@ def test_a_training_iteration_with_frozen_blocks_keeps_the_first_ratio_at_one(tm
         run = tmp_path / str(cache)
         cfg = config(run, "iterations=1", "eval.every=1", "eval.before_training=false", "model.trainable_layers=1",
                      "ppo.recompute_old=true", "ppo.kl_coef=0.1", f"ppo.cache_frozen={cache}",
-                     "env.history_len=3")  # cut turns, dropped from the cache: the replay covers streams too
+                     "env.history_len=3", "env.drop_turns_from_cache=true")  # the replay covers streams too
         counter = CountFrozenRuns()
         result = cli.train(cfg, callbacks=[counter])
         assert (result["module"].update.frozen is not None) == cache

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from textrl.config import load_env_config, load_model_config
-from textrl.games.env import TextGame
+from textrl.games.env import Observation, TextGame
 from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import ConstrainedDecoder
+from textrl.policy.decoding import Action, ConstrainedDecoder, Decision, StreamPlace
 from textrl.policy.distribution import fork_logprobs
 from textrl.policy.model import build_policy
 from textrl.policy.ragged_cache import RaggedCache
 from textrl.policy.stream import Drop, blocks, find_cut
 from textrl.ppo.sequences import decision_forward, training_sequences
-from textrl.rollout import Player, Sampling, decode_episodes, play_games
+from textrl.rollout import Episode, Player, Sampling, Step, decode_episodes, play_games
 
 
 def dense_mask(length: int, drops) -> torch.Tensor:
@@ -47,6 +47,22 @@ def test_find_cut_keeps_what_the_prompt_keeps_and_nothing_else():
     assert find_cut(held, [1, 2, 20, 21, 30, 31]) is None  # no new token to feed
     # turns that begin alike (a chat template's header): the common start is kept from the cut turn
     assert find_cut([1, 7, 10, 7, 20, 7, 30], [1, 7, 20, 7, 30, 7, 40]) == (2, 4)
+
+
+def test_a_sequence_is_the_stream_as_fed_even_where_the_next_prompt_leaves_out_an_unfed_command_tail():
+    """The decoder never feeds a command's tokens after its last decision; the next prompt usually
+    starts its new tokens with them, but a cut may keep a held suffix that the prompt continues
+    otherwise (here: the whole history dropped, the held token 7 matching the prompt's). The
+    sequence must follow the stream (``StreamPlace.start``), not the commands."""
+    obs = Observation("goal", "room", "", "", ["a", "b"], 0.0, 1.0, False, False)
+    first = Action("a", [7, 8, 9], [Decision(1, [8, 10], 8, -0.5, 0.0)], 1.0,
+                   place=StreamPlace(True, 0, 3, ()))  # fed: 1 2 3 7 (the fork at 8 read after 7)
+    second = Action("b", [10, 9], [Decision(0, [10, 11], 10, -0.7, 0.0)], 1.0,
+                    place=StreamPlace(False, 4, 6, (Drop(4, 1, 3),)))  # held 1 7, new 5 6
+    episode = Episode("game", [Step(obs, [1, 2, 3], first, 0.0, False, False, ""),
+                               Step(obs, [1, 7, 5, 6], second, 0.0, False, False, "")])
+    (seq,) = training_sequences([episode]).sequences
+    assert seq.input_ids == [1, 2, 3, 7, 5, 6] and seq.positions == [3, 5] and seq.drops == (Drop(4, 1, 3),)
 
 
 def test_blocks_list_the_keys_each_stretch_between_cuts_sees():
@@ -98,6 +114,7 @@ def test_a_dropped_stretch_is_gone_from_the_cache_and_the_rest_computes_as_maske
 
 def play(policy, tokenizer, games, history_len=2, max_steps=10, budget=4096):
     decoder = ConstrainedDecoder(policy)
+    decoder.drop_cut_turns = True  # env.drop_turns_from_cache=true
     prompts = PromptBuilder(tokenizer, max_prompt_tokens=budget)
     envs = [TextGame(p, max_steps, history_len=history_len) for p in games]
     episodes, _ = decode_episodes(envs, [decoder], prompts, Sampling(1.0, list(range(len(games)))))
@@ -147,15 +164,20 @@ def test_a_cut_history_feeds_only_new_tokens_and_the_update_reproduces_every_log
 
 def test_a_stream_that_would_pass_the_models_positions_starts_again_from_position_0(easy_games):
     """A model with 700 positions: cuts keep the stream growing, so rows start again before a
-    prompt and its longest command would pass position 700; every sequence stays within it."""
-    torch.manual_seed(0)
-    policy, tokenizer = build_policy(load_model_config("tiny", architecture={"max_position_embeddings": 700}))
-    policy.eval()
-    episodes, _ = play(policy, tokenizer, easy_games[4:8], max_steps=12, budget=600)
+    prompt and its longest command would pass position 700 (more often than the same model with
+    4,096 positions does, on the same games); every sequence stays within it."""
+    def starts(positions):
+        torch.manual_seed(0)
+        policy, tokenizer = build_policy(load_model_config("tiny", architecture={"max_position_embeddings": positions}))
+        policy.eval()
+        episodes, _ = play(policy, tokenizer, easy_games[4:8], max_steps=12, budget=600)
+        return policy, tokenizer, episodes, sum(s.action.place.new for e in episodes for s in e.steps)
+
+    *_, unlimited = starts(4096)
+    policy, tokenizer, episodes, limited = starts(700)
     rollout = training_sequences(episodes)
-    places = [s.action.place for e in episodes for s in e.steps]
     assert any(s.drops for s in rollout.sequences)  # cuts were kept...
-    assert sum(p.new for p in places) > len(episodes)  # ...and rows started again at the limit
+    assert limited > unlimited  # ...and rows started again at the limit
     assert max(len(s.input_ids) for s in rollout.sequences) <= 700
     with torch.no_grad():
         out = decision_forward(policy, rollout.sequences, tokenizer.pad_token_id)

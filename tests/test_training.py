@@ -67,7 +67,8 @@ def rollout(cfg, games, iteration=0):
 def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool, history):
     """history 2: from the third turn on every prompt cuts the oldest turn, which the decoder drops
     from its cache (textrl.policy.stream): the update's forward over the stream must hide it too."""
-    update, data = rollout(config(tmp_path, f"env.history_len={history}"), easy_pool.games("train", 4))
+    update, data = rollout(config(tmp_path, f"env.history_len={history}", "env.drop_turns_from_cache=true"),
+                           easy_pool.games("train", 4))
     assert any(s.drops for s in data.sequences) == (history == 2)
     first = sorted(data.sequences, key=lambda s: -len(s.drops))[:2]
     with torch.no_grad():

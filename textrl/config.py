@@ -87,15 +87,17 @@ class EnvConfig:
     win_bonus: float = 1.0
     loss_penalty: float = 1.0  # subtracted on the step that loses the game (games that can be lost: tw-cooking)
     history_len: int = 8  # past turns kept by the environment
-    # oldest turns are dropped beyond this; 8 turns of long easy room descriptions reach ~1050 tokens,
-    # and an over-budget prompt is re-encoded, so leave headroom
+    # oldest turns are dropped beyond this (four at a time); 8 turns of long easy room descriptions
+    # reach ~1050 tokens
     max_prompt_tokens: int = 1536
     # when the history drops turns (history_len, max_prompt_tokens), drop them from the rollout's KV
     # cache too and feed only the new tokens; false: feed the whole prompt again from position 0.
     # Same prompts either way; true keeps the kept turns' keys as they were computed, with the dropped
-    # turns still there (textrl/policy/stream.py), and on medium feeds ~0.6x the tokens
-    # (bench/results/tokens_per_turn.json)
-    drop_turns_from_cache: bool = True
+    # turns still there (textrl/policy/stream.py), and on medium feeds ~0.55x the tokens
+    # (bench/results/tokens_per_turn.json). Off by default: the one medium run with it (and one
+    # episode per optimizer step) ended at 0.06 held-out wins where the run without it reached 0.56
+    # (bench/results/learn_medium_issue32_default.json): not understood yet
+    drop_turns_from_cache: bool = False
     list_commands: bool = False  # also list the admissible commands in the prompt
     # repeat the objective at the end of every observation, right before the command (false: in the
     # system message only). On by default: the best lever of RL alone in the easy ablation (docs/results.md)

@@ -6,7 +6,8 @@
    the new prompt extends what the row already holds (the prompt builder makes prompts append-only
    until history is cut), only the new tokens are fed. When the history was cut, the cut turns are
    dropped from the row's cache and again only the new tokens are fed (``textrl.policy.stream``);
-   a row whose prompt is neither (a new episode) starts again from position 0, in the same call.
+   a row whose prompt is neither (a new episode, a history cut to nothing, a stream at the model's
+   positions, or cuts switched off) starts again from position 0, in the same call.
 2. Rows then advance in lockstep, one model call per fork level: each call feeds every row's
    pending tokens (the token just chosen plus the forced single-child chain after it) and reads the
    hidden state after each row's last one.
@@ -67,9 +68,9 @@ class Action:
     command_ids: list[int]  # command tokens + end token, as fed after the prompt
     decisions: list[Decision]
     temperature: float
-    # with the decoder's ``capture``: every token its row's cache holds (this prompt, the earlier
-    # turns it extends, this command up to its last fork) and the last frozen block's outputs over
-    # them, in pieces; ``training_sequences`` takes them over (and sets this back to None)
+    # with the decoder's ``capture``: every token of its row's stream (this prompt's tokens, the earlier
+    # turns, cut ones included, this command up to its last fork) and the last frozen block's outputs
+    # over them, in pieces; ``training_sequences`` takes them over (and sets this back to None)
     prefix_output: tuple[list[int], list[torch.Tensor]] | None = field(default=None, compare=False, repr=False)
     # where the decoder put this turn in its row's stream (``textrl.policy.stream``); None for an
     # action it did not decode (``forced_action``)
@@ -86,6 +87,7 @@ class StreamPlace:
     row's cache (``training_sequences``)."""
 
     new: bool  # the row started a new stream (position 0) for this prompt
+    start: int  # the stream's length before this prompt's new tokens: what was fed up to here
     offset: int  # the stream position of the command's first token (the prompt's length in the stream)
     drops: tuple[Drop, ...]  # the stream's cuts so far
 
@@ -129,8 +131,9 @@ class ConstrainedDecoder:
         # one padded attention call per layer (a GPU's layout) or one per row (a CPU's); None: by device
         self.batched = batched
         self.capture: FrozenPrefix | None = None  # keep the frozen blocks' outputs (module docstring)
-        # a cut history drops the cut turns from the cache (``_cut``; env.drop_turns_from_cache)
-        self.drop_cut_turns = True
+        # a cut history drops the cut turns from the cache (``_cut``; env.drop_turns_from_cache, set
+        # by play_games): off as that default is
+        self.drop_cut_turns = False
         self.reset()
 
     def reset(self) -> None:
@@ -239,7 +242,8 @@ class ConstrainedDecoder:
                 for name in ("fed", "held", "held_at", "drops", "captured"):
                     getattr(self, name)[r] = []
             new = list(prompt[len(self.held[r]):])
-            self.places[r] = StreamPlace(not self.fed[r], len(self.fed[r]) + len(new), tuple(self.drops[r]))
+            self.places[r] = StreamPlace(not self.fed[r], len(self.fed[r]), len(self.fed[r]) + len(new),
+                                         tuple(self.drops[r]))
             pending.append(new + cursor.new)
         return self._feed(pending, "prefill", rows, forks)
 

@@ -80,10 +80,17 @@ def training_sequences(episodes: list[Episode]) -> RolloutDecisions:
             if current is None or (current.ids != prompt[: len(current.ids)] if place is None else place.new):
                 current = _Merging(first=len(logprobs))
                 merged.append(current)
-            # the stream's new tokens: the end of the prompt (what the row did not hold)
-            offset = len(prompt) if place is None else place.offset
-            current.ids += prompt[len(prompt) - (offset - len(current.ids)):]
-            current.drops = () if place is None else place.drops
+            if place is None:
+                offset = len(prompt)
+                current.ids += prompt[len(current.ids):]
+            else:  # the stream as fed: up to this prompt (the last command's tokens the row never fed are
+                # not in it: usually the prompt's new tokens start with them), then the prompt's new tokens
+                offset = place.offset
+                if len(current.ids) < place.start:
+                    raise ValueError(f"an action's stream starts after its sequence ends ({place.start} > "
+                                     f"{len(current.ids)}): its episode's steps are out of order or from other decoders")
+                current.ids = current.ids[: place.start] + prompt[len(prompt) - (offset - place.start):]
+                current.drops = place.drops
             current.ids += step.action.command_ids
             for d in step.action.decisions:
                 current.positions.append(offset + d.index - 1)
@@ -120,8 +127,9 @@ class _Merging:
 
 
 def _recorded_prefix(captured: tuple[list[int], list[torch.Tensor]] | None, ids: list[int]) -> torch.Tensor | None:
-    """The rollout's recording over exactly ``ids``; None when there is none, or when the decoder
-    restarted the row where the sequence did not break (the sequence's first forward records it)."""
+    """The rollout's recording over exactly ``ids``; None when there is none, or when it covers
+    other tokens (a sequence merged from actions without a stream place; the sequence's first
+    forward records it)."""
     if captured is None:
         return None
     fed, pieces = captured
@@ -180,6 +188,9 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
     ids = ints["ids"].view(len(batch), width)
     positions = torch.arange(width, device=device)[None].expand_as(ids)  # right padding: plain 0..n-1, as in the rollout
     if any(s.drops for s in batch):  # the blocks cover the real tokens only: the padding needs no mask
+        if policy.lm.config._attn_implementation != SDPA:  # any other attention ignores the layout
+            raise ValueError(f"sequences with turns dropped from the rollout's cache need textrl's attention "
+                             f"({SDPA}); this model runs {policy.lm.config._attn_implementation!r}")
         mask, extra = None, {"stream": StreamLayout.of([(len(s.input_ids), s.drops) for s in batch], device)}
     else:
         mask, extra = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None, {}

@@ -5,7 +5,10 @@ Every generated TextWorld game ships a walkthrough. Each of ``warm_start.games``
 walkthrough; one that asks for a command that is not admissible, or that does not win within the
 step limit, is skipped and counted. A replayed step is exactly the turn a rollout would record: the
 same prompt (``PromptBuilder``, same history), the same trie of the admissible commands, the same
-decisions at its forks (``forced_action``), merged into the same sequences (``training_sequences``).
+decisions at its forks (``forced_action``), merged into sequences (``training_sequences``). One
+difference from a rollout: a forced action has no stream place, so where the history is cut the
+warm start's sequence starts again from the cut prompt instead of dropping the cut turns from the
+cache as the decoder does (medium and hard walkthroughs that run past ``env.history_len`` turns).
 
 The loss is the cross-entropy of the walkthrough's token at each decision over the fork's allowed
 tokens (the masked distribution the PPO update computes, at T = 1), the mean over the decisions of
