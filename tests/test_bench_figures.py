@@ -1,5 +1,6 @@
-"""The figures bench/learn.py and bench/iteration.py compute, on synthetic inputs (no training):
-minutes to a held-out win rate, and the model FLOPs of a forward and a backward."""
+"""The figures bench/learn.py, bench/iteration.py and bench/families.py compute, on synthetic inputs
+(no training): minutes to a held-out win rate, the model FLOPs of a forward and a backward, and
+whether a game family counts as learned."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 # noqa: E402 below: bench/ is a script directory, not a package
+import families  # noqa: E402
 import textrl.ppo.update as update_module  # noqa: E402
 from iteration import Counts, ModelFlops, blocks_of  # noqa: E402
 from learn import eval_minutes, from_stored, minutes_to, reached, wall_eval_minutes  # noqa: E402
@@ -139,3 +141,45 @@ def test_counted_tokens_and_keys_of_the_decoders_calls_and_the_updates_forward()
         update_module.decision_forward(policy, sequences, tokenizer.pad_token_id)
         assert counts.current["update"] == {"tokens": 16, "keys": 55 + 21, "replayed_tokens": 0, "replayed_keys": 0}
     assert ConstrainedDecoder._feed is original  # put back
+
+
+def _policy(wins, lo, hi, steps, failures, games):
+    return {"win_rate": {"mean": wins, "ci95": [lo, hi]}, "steps": {"mean": steps, "ci95": [steps - 1, steps + 1]},
+            "max_steps": 20, "failures": failures, "command": "textrl-eval ...",
+            "per_game": [{"won": False}] * games}
+
+
+def test_family_table_rows_and_the_learned_verdict(tmp_path, monkeypatch):
+    """bench/families.py: a row appears only once all three policies and the training run are on disk;
+    learned = trained beats random by >= 0.20 or wins >= 0.90; the failure kinds of the trained policy."""
+    monkeypatch.setattr(families, "ROOT", tmp_path)
+    monkeypatch.setattr(families, "OUT", tmp_path / "families")
+    cases = {"twx_coin": (0.67, 0.86, {"goal_not_taken": 9}),     # +0.19, below 0.90: not learned
+             "tw_coin": (0.22, 0.42, {}),                         # +0.20 exactly: learned
+             "twx_sorting": (0.95, 0.92, {"loop": 5})}            # below random, but >= 0.90: learned
+    for family, (random, trained, failures) in cases.items():
+        for name, wins in (("random", random), ("untrained", 0.0), ("trained", trained)):
+            out = tmp_path / "families" / family / name
+            out.mkdir(parents=True)
+            fails = {"loop": 0, "goal_not_taken": 0, **(failures if name == "trained" else {})}
+            games = families.UNTRAINED_GAMES if name == "untrained" else families.GAMES
+            (out / "results.json").write_text(json.dumps(_policy(wins, 0.0, 1.0, 9.5, fails, games)))
+        if family == "twx_sorting":
+            continue  # no training run on disk yet: no row
+        learned = tmp_path / "bench" / "results" / f"learn_family_{family}_default.json"
+        learned.parent.mkdir(parents=True, exist_ok=True)
+        learned.write_text(json.dumps({
+            "minutes": {"mean": 12.5}, "eval_win_rate": {"mean": trained}, "precision": "bf16-mixed",
+            "command": "python bench/learn.py ...",
+            "runs": [{"iterations": 12, "commit": "abc1234", "rollout_curve": [[1, 0.5, 9.0]]}]}))
+    assert families.row("twx_sorting") is None
+    coin, tw_coin = families.row("twx_coin"), families.row("tw_coin")
+    assert (coin["learned"], tw_coin["learned"]) == (False, True)
+    table = families.table([coin, tw_coin])
+    assert ("| `twx_coin` (20) | 0.67 [0.00, 1.00] / 9.5 | 0.00 [0.00, 1.00] / 9.5 (32 games) "
+            "| 0.86 [0.00, 1.00] / 9.5 | 12.5 | no | goal_not_taken 9 |") in table
+    assert "| `tw_coin` (20) |" in table and "| yes | - |" in table
+    # the sorting family reached 0.92 while random won 0.95: still learned by the 0.90 bar
+    learned = tmp_path / "bench" / "results" / "learn_family_twx_sorting_default.json"
+    learned.write_text((tmp_path / "bench" / "results" / "learn_family_tw_coin_default.json").read_text())
+    assert families.row("twx_sorting")["learned"] is True

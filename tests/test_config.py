@@ -91,7 +91,7 @@ def test_every_option_of_every_group_composes(group):
             with pytest.raises(ConfigError, match="trainer.accelerator='gpu' is not allowed: needs a CUDA GPU"):
                 compose_train([f"{group}={option}"])
             continue
-        if group == "env" and option.startswith("twx_") and not java_available():
+        if group in ("env", "experiment") and option.startswith("twx_") and not java_available():
             with pytest.raises(ConfigError, match="no `java` is on the PATH. Install a Java runtime"):
                 compose_train([f"{group}={option}"])  # refused at start, with the command that installs it
             continue
