@@ -27,6 +27,7 @@ import argparse
 import json
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 from result import command, cpu_model  # bench/result.py (the script directory is on sys.path)
@@ -123,8 +124,9 @@ def main(argv=None):
             measure(family)
     rows = [r for r in (row(f) for f in FAMILIES) if r is not None]
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "families.json").write_text(json.dumps({"rows": rows, "cpu": cpu_model(), "command": command(argv)},
-                                                  indent=2) + "\n")
+    # each row's training carries its resolved precision; minutes compare only on one machine
+    (OUT / "families.json").write_text(json.dumps({"rows": rows, "cpu": cpu_model(), "torch": version("torch"),
+                                                   "command": command(argv)}, indent=2) + "\n")
     (OUT / "families.md").write_text(table(rows))
     print(table(rows))
 

@@ -283,3 +283,13 @@ def test_every_test_the_readme_cites_exists(document):
         assert (ROOT / path).is_file(), path
         if name:
             assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{path}::{name}"
+
+
+def test_the_readme_family_table_is_the_measured_one():
+    """The README's table of game families is bench/families.py's output (families.md), row for row:
+    a figure changed by hand, or a family measured and not copied in, fails here."""
+    rows = [line for line in (ROOT / "bench/results/families/families.md").read_text().splitlines()
+            if line.startswith("| `")]
+    readme = (ROOT / "README.md").read_text()
+    assert rows, "bench/results/families/families.md holds no family"
+    assert [line for line in readme.splitlines() if re.match(r"\| `tw\w+` \(\d+\) \|", line)] == rows
