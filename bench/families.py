@@ -34,7 +34,7 @@ from result import command, cpu_model  # bench/result.py (the script directory i
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "families"
-# cheapest first: a run of every family stops at the expensive ones, not before the cheap ones
+# the order a full run takes: short TextWorldExpress episodes first, the longest episodes last
 FAMILIES = ["twx_simonsays", "twx_peckingorder", "twx_arithmetic", "twx_sorting", "twx_coin", "twx_twc",
             "tw_coin", "tw_treasure", "twx_mapreader", "tw_cooking", "twx_cookingworld", "tw_simple"]
 GAMES = 64
