@@ -27,10 +27,9 @@ import argparse
 import json
 import subprocess
 import sys
-from importlib.metadata import version
 from pathlib import Path
 
-from result import command, cpu_model  # bench/result.py (the script directory is on sys.path)
+from result import command  # bench/result.py (the script directory is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "families"
@@ -85,7 +84,8 @@ def row(family: str) -> dict | None:
         "training": {"minutes": train["minutes"]["mean"], "iterations": train["runs"][0]["iterations"],
                      "eval_win_rate": train["eval_win_rate"]["mean"], "commit": train["runs"][0]["commit"],
                      "rollout_curve": train["runs"][0]["rollout_curve"], "precision": train["precision"],
-                     "command": train["command"]},
+                     # the training run's machine, not the one writing the table
+                     "cpu": train.get("cpu"), "torch": train.get("torch"), "command": train["command"]},
         "learned": ok,
     }
 
@@ -124,9 +124,8 @@ def main(argv=None):
             measure(family)
     rows = [r for r in (row(f) for f in FAMILIES) if r is not None]
     OUT.mkdir(parents=True, exist_ok=True)
-    # each row's training carries its resolved precision; minutes compare only on one machine
-    (OUT / "families.json").write_text(json.dumps({"rows": rows, "cpu": cpu_model(), "torch": version("torch"),
-                                                   "command": command(argv)}, indent=2) + "\n")
+    # each row's training carries its precision, CPU and torch: minutes compare only on one machine
+    (OUT / "families.json").write_text(json.dumps({"rows": rows, "command": command(argv)}, indent=2) + "\n")
     (OUT / "families.md").write_text(table(rows))
     print(table(rows))
 
