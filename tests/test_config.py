@@ -110,6 +110,7 @@ def test_every_option_of_every_group_composes(group):
     ("env.max_steps=0", "env.max_steps=0 is not allowed: an integer >= 1"),
     ("ppo.gamma=1.5", "ppo.gamma=1.5 is not allowed: a number in (0, 1]"),
     ("ppo.temperature_min=2.0", "ppo.temperature_min=2.0 is not allowed"),
+    ("ppo.target_kl=-0.5", "ppo.target_kl=-0.5 is not allowed: a number > 0, or null"),
 ])
 def test_bad_values_fail_naming_key_value_and_rule(override, message):
     with pytest.raises(ConfigError) as err:

@@ -41,7 +41,8 @@ def test_a_rollout_copies_once_per_model_call_and_reads_once_per_fork_level(tmp_
     assert syncs.counts["list_index"] == 0, syncs.where
 
 
-@pytest.mark.parametrize("overrides", [[], ["ppo.recompute_old=true", "ppo.kl_coef=0.1"]], ids=["plain", "recompute_kl"])
+@pytest.mark.parametrize("overrides", [[], ["ppo.recompute_old=true", "ppo.kl_coef=0.1"], ["ppo.target_kl=1000"]],
+                         ids=["plain", "recompute_kl", "target_kl"])
 def test_an_update_copies_once_per_minibatch_and_reads_once_per_optimizer_step(tmp_path, easy_pool, overrides):
     cfg = config(tmp_path, "env.max_steps=4", *overrides)
     policy, tokenizer, episodes, _, _ = rollout(cfg, easy_pool.games("train", 4), False)

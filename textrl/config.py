@@ -181,6 +181,12 @@ class PPOConfig:
     # KL anchor: kl_coef x KL(policy || initial policy) at each decision, computed exactly over the
     # fork's allowed tokens; 0 switches it (and the reference forward it needs) off
     kl_coef: float = 0.0
+    # early stop of the update (cleanrl's target_kl, Spinning Up's target_kl): before each optimizer
+    # step, the mean approx_kl of the step's decisions (old policy vs the weights so far) is read; past
+    # this, the step and every later one of the iteration are dropped (optim/steps_share). A one-sided
+    # trust region for an update that PPO's clip alone lets run (many near-identical decisions of one
+    # looping episode push the same way). None: every step is taken
+    target_kl: Optional[float] = None
     # Recompute the old log-probs and values with the update's own forward before the PPO epochs.
     # None: only under mixed precision, where the rollout (KV cache, small chunks) and the update
     # (one forward per sequence) round differently; fp32 agrees to ~1e-6 and needs no recompute.
@@ -391,6 +397,8 @@ def _check_ppo(p: PPOConfig, e: EnvConfig) -> None:
     for key in ["vf_coef", "ent_coef", "weight_decay", "kl_coef"]:
         _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 0, "a number >= 0")
     _check("ppo.explore", p.explore, 0 <= p.explore < 1, "a number in [0, 1)")
+    _check("ppo.target_kl", p.target_kl, p.target_kl is None or (math.isfinite(p.target_kl) and p.target_kl > 0),
+           "a number > 0, or null (no early stop)")
     for key in ["gamma", "lam", "temperature_decay"]:
         v = getattr(p, key)
         _check(f"ppo.{key}", v, 0 < v <= 1, "a number in (0, 1]")

@@ -101,6 +101,7 @@ class IterationStats:
     decisions: int = 0  # decisions of the taken steps
     steps: int = 0  # optimizer steps taken
     skipped_steps: int = 0  # skipped for a non-finite gradient
+    planned_steps: int = 0  # with ppo.target_kl: the iteration's optimizer steps before any early stop
     first_logratio: torch.Tensor | None = None  # first minibatch: fresh data, unchanged weights
     rollout_logratio_max: torch.Tensor | None = None  # recomputed old log-probs vs the rollout's
     old_values: torch.Tensor | None = None  # host copies, for the value figures
@@ -146,6 +147,8 @@ class IterationStats:
             "perf/update_s": update_s, "perf/update_tokens": float(self.tokens),
             "perf/tokens_per_s": self.tokens / max(update_s, 1e-9),
         }
+        if self.planned_steps:
+            out["optim/steps_share"] = (self.steps + self.skipped_steps) / self.planned_steps
         if self.uses_value:
             out["loss/value"] = s["value"] / n
             out["value/explained_variance"] = explained_variance(self.old_values, self.returns)
@@ -181,6 +184,8 @@ class PPOUpdate:
         the LM's trainable parameters, then the value head's)."""
         stats = IterationStats(self.coefs, self.uses_value, self.device)
         data = self.prepare(episodes, iteration, stats)  # sequences, old log-probs, reference, advantages
+        if self.ppo.target_kl is not None:
+            stats.planned_steps = len(data.steps)
 
         with stats.timer.phase("update"):
             for step, normalizer in zip(data.steps, self.step_normalizers(data.steps)):
@@ -192,7 +197,14 @@ class PPOUpdate:
                         self.runtime.backward(terms.loss)
                     minibatches.append((terms, fed))
                 norms = self.clip_gradients(optimizer)
-                if self.step_is_finite(norms.tolist()):  # the step's one read on the host
+                # the step's one read on the host: its gradient norms, and with ppo.target_kl its KL
+                host = (torch.cat([norms, self.step_kl(minibatches)]) if stats.planned_steps else norms).tolist()
+                if stats.planned_steps and host[2] > self.ppo.target_kl * host[3]:
+                    # this step's forwards saw a policy already past the target: neither it nor any
+                    # later step is taken (every rank read the same reduced sums, so all stop here)
+                    optimizer.zero_grad(set_to_none=True)
+                    break
+                if self.step_is_finite(host[:2]):
                     optimizer.step()
                     stats.add_step(minibatches, norms)
                 else:  # a non-finite loss or gradient never reaches the weights
@@ -287,7 +299,14 @@ class PPOUpdate:
                 ref[idx, : logp.shape[1]] = logp.float()
         return ref
 
-    def step_is_finite(self, norms: tuple[float, float]) -> bool:
+    def step_kl(self, minibatches: list[tuple[PPOTerms, int]]) -> torch.Tensor:
+        """[approx_kl summed over an optimizer step's decisions, their number], summed over the ranks
+        (so that every rank takes the same early-stop decision), on the device."""
+        kl = torch.stack([terms.approx_kl for terms, _ in minibatches]).sum()
+        decisions = torch.full((), float(sum(terms.log_ratio.numel() for terms, _ in minibatches)), device=kl.device)
+        return self.runtime.all_reduce(torch.stack([kl.float(), decisions]), "sum")
+
+    def step_is_finite(self, norms: list[float]) -> bool:
         """Whether an optimizer step may be taken: its gradient norms (which a non-finite loss makes
         non-finite too; after DDP's all-reduce they are the same on every rank, so all ranks decide
         alike) are finite. Under fp16 loss scaling the scaler decides (it skips such steps and lowers
