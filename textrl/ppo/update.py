@@ -184,7 +184,8 @@ class PPOUpdate:
         the LM's trainable parameters, then the value head's)."""
         stats = IterationStats(self.coefs, self.uses_value, self.device)
         data = self.prepare(episodes, iteration, stats)  # sequences, old log-probs, reference, advantages
-        if self.ppo.target_kl is not None:
+        kl_stop = self.ppo.target_kl is not None
+        if kl_stop:
             stats.planned_steps = len(data.steps)
 
         with stats.timer.phase("update"):
@@ -198,8 +199,8 @@ class PPOUpdate:
                     minibatches.append((terms, fed))
                 norms = self.clip_gradients(optimizer)
                 # the step's one read on the host: its gradient norms, and with ppo.target_kl its KL
-                host = (torch.cat([norms, self.step_kl(minibatches)]) if stats.planned_steps else norms).tolist()
-                if stats.planned_steps and host[2] > self.ppo.target_kl * host[3]:
+                host = (torch.cat([norms, self.step_kl(minibatches)]) if kl_stop else norms).tolist()
+                if kl_stop and host[2] > self.ppo.target_kl * host[3]:  # mean approx_kl past the target
                     # this step's forwards saw a policy already past the target: neither it nor any
                     # later step is taken (every rank read the same reduced sums, so all stop here)
                     optimizer.zero_grad(set_to_none=True)
