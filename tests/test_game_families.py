@@ -54,19 +54,26 @@ def test_walkthrough_wins_through_textrl_env(option):
     assert total == pytest.approx(game.observation.max_score + env.win_bonus - env.step_penalty * len(game.walkthrough))
 
 
-def test_losing_a_cooking_game_ends_it_and_costs_the_loss_penalty():
+def test_losing_a_cooking_game_ends_it_and_costs_the_loss_penalty_and_the_unplayed_steps():
     env, (path,) = games_of("tw_cooking", loss_penalty=0.7)
     game = open_game(path, env)
     game.reset()
     walkthrough = game.walkthrough
     take = next(i for i, c in enumerate(walkthrough) if c.startswith("take "))
+    total = 0.0
     for command in walkthrough[: take + 1]:
-        game.step(command)
+        total += game.step(command).reward
     ingredient = walkthrough[take].removeprefix("take ").split(" from ")[0]
     before = game.observation.score
     result = game.step(f"eat {ingredient}")  # the recipe's ingredient, eaten raw: the game is lost
+    total += result.reward
     assert result.observation.lost and result.terminated and not result.observation.won
-    assert result.reward == pytest.approx(result.observation.score - before - 0.7 - env.step_penalty)
+    unplayed = env.max_steps - (take + 2)
+    assert unplayed > 0
+    assert result.reward == pytest.approx(result.observation.score - before - 0.7 - env.step_penalty * (1 + unplayed))
+    # the episode costs the step penalty of a game played to the step limit, and the loss penalty on top:
+    # a loss ranks below every episode that is not lost
+    assert total == pytest.approx(result.observation.score - 0.7 - env.step_penalty * env.max_steps)
     assert "You lost" not in result.observation.feedback  # the end-of-game banner is not an observation
 
 

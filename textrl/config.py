@@ -85,7 +85,9 @@ class EnvConfig:
     max_steps: int = 8  # the episode's step limit
     step_penalty: float = 0.1
     win_bonus: float = 1.0
-    loss_penalty: float = 1.0  # subtracted on the step that loses the game (games that can be lost: tw-cooking)
+    # subtracted on the step that loses the game (some families: tw-cooking, tw-treasure_hunter, Pecking
+    # Order...), with the step penalty of the steps the loss leaves unplayed (textrl.games.env)
+    loss_penalty: float = 1.0
     # training rollouts only: + shaping x (actions left on TextWorld's tracked winning path before the
     # step - after it); a potential: a detour costs what coming back earns, and a lost game takes back
     # what it was paid (Game._shaped). TextWorld games only (TextWorldExpress scores its subtasks

@@ -2,9 +2,13 @@
 TextWorldExpress game (``ExpressGame``, its engine in ``textrl.games.express``); ``open_game`` picks
 by the file.
 
-Reward per step = score change + ``win_bonus`` on the winning step − ``loss_penalty`` on the
-losing step − ``step_penalty`` (+ ``shaping`` x the step's progress on TextWorld's tracked winning
-path, in training rollouts only: ``Game._shaped``). An episode ends when the game is won or lost
+Reward per step = score change + ``win_bonus`` on the winning step − ``step_penalty`` (+ ``shaping``
+x the step's progress on TextWorld's tracked winning path, in training rollouts only:
+``Game._shaped``). The losing step also costs ``loss_penalty`` and the step penalty of every step the
+loss leaves unplayed: a lost episode costs what one played to ``max_steps`` without winning costs,
+plus ``loss_penalty``, so losing is never a shortcut past the step penalty (with the penalty of the
+losing step alone, a policy that cannot yet win learns to lose at once: tw-treasure_hunter's wrong
+object, Pecking Order's wrong pick). An episode ends when the game is won or lost
 (``terminated``; only some families can be lost, e.g. tw-cooking: a burnt ingredient, an eaten one) or after
 ``max_steps`` commands (``truncated``). A game that offers no admissible command after a step ends
 the episode there, ``terminated`` though neither won nor lost: no command, hence no future reward,
@@ -286,10 +290,15 @@ class Game:
             del self.history[: max(1, self.history_len // 2)]
         self.observation = new
         reward = ((new.score - obs.score) + (self.win_bonus if new.won else 0.0)
-                  - (self.loss_penalty if new.lost else 0.0) - self.step_penalty + self._shaped(obs, new))
+                  - (self._lost_cost() if new.lost else 0.0) - self.step_penalty + self._shaped(obs, new))
         terminated = new.won or new.lost or not new.admissible_commands  # no command: nothing can follow
         truncated = not terminated and self.steps >= self.max_steps
         return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})
+
+    def _lost_cost(self) -> float:
+        """What the losing step costs beyond its own step penalty: ``loss_penalty`` and the penalty of
+        the steps left to ``max_steps`` (the module docstring says why)."""
+        return self.loss_penalty + self.step_penalty * (self.max_steps - self.steps)
 
     def _shaped(self, before: Observation, after: Observation) -> float:
         """``shaping`` x (distance to the win before the step - after it): potential-based shaping
