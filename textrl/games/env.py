@@ -6,9 +6,9 @@ Reward per step = score change + ``win_bonus`` on the winning step − ``step_pe
 x the step's progress on TextWorld's tracked winning path, in training rollouts only:
 ``Game._shaped``). The losing step also costs ``loss_penalty`` and the step penalty of every step the
 loss leaves unplayed: a lost episode costs what one played to ``max_steps`` without winning costs,
-plus ``loss_penalty``, so losing is never a shortcut past the step penalty (with the penalty of the
-losing step alone, a policy that cannot yet win learns to lose at once: tw-treasure_hunter's wrong
-object, Pecking Order's wrong pick). An episode ends when the game is won or lost
+plus ``loss_penalty``, so losing is never a shortcut past the step penalty (charged only the losing
+step's penalty, policies on tw-treasure_hunter and Pecking Order learned to take a wrong object at
+once and lose). An episode ends when the game is won or lost
 (``terminated``; only some families can be lost, e.g. tw-cooking: a burnt ingredient, an eaten one) or after
 ``max_steps`` commands (``truncated``). A game that offers no admissible command after a step ends
 the episode there, ``terminated`` though neither won nor lost: no command, hence no future reward,
