@@ -13,7 +13,10 @@ disk (so the script resumes, and a family is measured once):
 2. ``textrl-eval --model smollm2 --env F --games 32`` -> .../F/untrained/results.json (32: below)
 3. ``python bench/learn.py --configs default --seeds 1 --tag family_F -- experiment=F_cpu``
    -> bench/results/learn_family_F_default.json (minutes, the training curve)
-4. ``textrl-eval --checkpoint <that run>/checkpoints/last.ckpt --games 64`` -> .../F/trained/results.json
+4. the run's own final evaluation (``<run>/evaluation/iter_<k>.json``, 64 held-out games, greedy: what
+   ``textrl-eval --checkpoint <that run>/checkpoints/last.ckpt --games 64`` plays) -> .../F/trained/results.json,
+   with the transcripts training wrote (its first ``eval.transcripts`` games); for a run from before
+   training wrote that file, the ``textrl-eval`` command itself
 
 then writes ``bench/results/families/families.json`` and ``families.md`` from every family whose
 results are on disk. A family is *learned* when the trained policy beats the random one by at least
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +66,33 @@ def measure(family: str) -> None:
     if not learned.is_file():
         run([sys.executable, "bench/learn.py", "--configs", "default", "--seeds", "1", "--tag", f"family_{family}",
              "--", f"experiment={family}_cpu"])
-    run_dir = json.loads(learned.read_text())["runs"][0]["run_dir"]
-    textrl_eval(["--checkpoint", f"{run_dir}/checkpoints/last.ckpt"], OUT / family / "trained")
+    train = json.loads(learned.read_text())
+    run_dir = train["runs"][0]["run_dir"]
+    if not from_training(train, OUT / family / "trained"):
+        textrl_eval(["--checkpoint", f"{run_dir}/checkpoints/last.ckpt"], OUT / family / "trained")
+
+
+def from_training(train: dict, out: Path) -> bool:
+    """The trained policy's result taken from its run's own final evaluation (the same greedy play on
+    the same held-out games as ``textrl-eval``; ``evaluation/iter_<k>.json``), when that played
+    ``GAMES`` games; False when there is none to take."""
+    if (out / "results.json").is_file():
+        return True
+    run = train["runs"][0]
+    final = ROOT / run["run_dir"] / "evaluation" / f"iter_{run['iterations']:04d}.json"
+    if not final.is_file():
+        return False
+    summary = json.loads(final.read_text())
+    if summary["games"] + len(summary["aborted"]) != GAMES:
+        return False
+    summary["command"] = f"{train['command']} (its final evaluation, {os.path.relpath(final, ROOT)})"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    transcripts = final.parent.parent / "transcripts" / final.name.replace(".json", ".md")
+    if transcripts.is_file():
+        (out / "transcripts.md").write_text(transcripts.read_text())
+    print(f"{out.parent.name}: the trained row from {final}")
+    return True
 
 
 def row(family: str) -> dict | None:

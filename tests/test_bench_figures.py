@@ -146,7 +146,7 @@ def test_counted_tokens_and_keys_of_the_decoders_calls_and_the_updates_forward()
 def _policy(wins, lo, hi, steps, failures, games):
     return {"win_rate": {"mean": wins, "ci95": [lo, hi]}, "steps": {"mean": steps, "ci95": [steps - 1, steps + 1]},
             "max_steps": 20, "failures": failures, "command": "textrl-eval ...",
-            "per_game": [{"won": False}] * games}
+            "games": games, "aborted": [], "per_game": [{"won": False}] * games}
 
 
 def test_family_table_rows_and_the_learned_verdict(tmp_path, monkeypatch):
@@ -183,3 +183,28 @@ def test_family_table_rows_and_the_learned_verdict(tmp_path, monkeypatch):
     learned = tmp_path / "bench" / "results" / "learn_family_twx_sorting_default.json"
     learned.write_text((tmp_path / "bench" / "results" / "learn_family_tw_coin_default.json").read_text())
     assert families.row("twx_sorting")["learned"] is True
+
+
+def test_the_trained_row_is_taken_from_the_runs_final_evaluation_when_it_played_64_games(tmp_path, monkeypatch):
+    """bench/families.py, step 4: a run's own final evaluation (evaluation/iter_<k>.json, as training
+    writes it) becomes the trained row, with the training command; one of another size, or none,
+    leaves the row to textrl-eval."""
+    monkeypatch.setattr(families, "ROOT", tmp_path)
+    run = tmp_path / "outputs" / "run"
+    (run / "evaluation").mkdir(parents=True)
+    (run / "transcripts").mkdir()
+    train = {"command": "python bench/learn.py --tag family_twx_coin", "runs": [{"run_dir": "outputs/run", "iterations": 12}]}
+    out = tmp_path / "families" / "twx_coin" / "trained"
+    assert not families.from_training(train, out)  # no evaluation file: textrl-eval plays it
+    final = _policy(0.86, 0.0, 1.0, 4.1, {"loop": 9}, families.GAMES)
+    (run / "evaluation" / "iter_0012.json").write_text(json.dumps({**final, "games": 63, "aborted": [{"game": "g"}]}))
+    (run / "evaluation" / "iter_0006.json").write_text(json.dumps(_policy(0.5, 0.0, 1.0, 9.0, {}, families.GAMES)))
+    (run / "transcripts" / "iter_0012.md").write_text("# Greedy evaluation after iteration 12\n")
+    assert families.from_training(train, out)  # 63 played + 1 aborted: the 64 games
+    result = json.loads((out / "results.json").read_text())
+    assert result["win_rate"] == final["win_rate"] and result["failures"] == {"loop": 9}  # iteration 12's, not 6's
+    assert result["command"].startswith("python bench/learn.py --tag family_twx_coin (its final evaluation")
+    assert (out / "transcripts.md").read_text().startswith("# Greedy evaluation after iteration 12")
+    other = tmp_path / "families" / "tw_coin" / "trained"
+    (run / "evaluation" / "iter_0012.json").write_text(json.dumps(_policy(0.5, 0.0, 1.0, 9.0, {}, 32)))
+    assert not families.from_training(train, other) and not other.exists()  # 32 games: not the row's 64

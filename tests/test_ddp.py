@@ -22,6 +22,9 @@ def test_two_process_cpu_ddp_covers_both_ranks(tmp_path):
     assert len(train_rows) == 2
     assert all(float(r["rollout/episodes"]) == 4 for r in train_rows)  # 2 per rank, summed
     assert all(float(r["eval/games"]) == 4 for r in eval_rows)  # each rank its own 2 evaluation games
+    # the evaluation file holds every rank's games, each once (gathered; rank 0 writes it)
+    written = json.loads((tmp_path / "evaluation" / "iter_0002.json").read_text())
+    assert written["games"] == 4 and len({g["game"] for g in written["per_game"]}) == 4
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
 
 

@@ -3,11 +3,13 @@
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
 import textrl.cli.train as cli
-from textrl.cli.evaluate import main, wilson_interval
+from textrl.cli.evaluate import main
+from textrl.results import wilson_interval
 from textrl.cli.play import main as play_main
 from tests.conftest import config
 
@@ -66,10 +68,23 @@ def test_tiny_checkpoint(checkpoint, tmp_path):
     assert listed and all(re.fullmatch(r"[^;]+ \(\d\.\d{3}\)(; [^;]+ \(\d\.\d{3}\))*", a) for a in listed)
 
 
+def test_a_runs_evaluation_file_is_what_textrl_eval_plays_on_its_checkpoint(checkpoint, tmp_path):
+    """Training writes each held-out evaluation as textrl-eval's results.json (bench/families.py
+    takes a run's final one instead of playing it again): the same games, played the same way."""
+    run = Path(checkpoint).parents[1]
+    written = json.loads((run / "evaluation" / "iter_0001.json").read_text())
+    assert written["iteration"] == 1 and written["greedy"] and written["policy"] == f"run:{run}"
+    assert main(["--checkpoint", checkpoint, "--games", str(written["games"]), "--out", str(tmp_path)]) == 0
+    played = json.loads((tmp_path / "results.json").read_text())
+    for key in ("env", "max_steps", "games", "win_rate", "steps", "return", "failures", "per_game"):
+        assert written[key] == played[key], key
+    assert sorted(p.name for p in (run / "evaluation").iterdir()) == ["iter_0000.json", "iter_0001.json"]
+
+
 @pytest.mark.parametrize("wins, n", [(0, 64), (1, 64), (26, 64), (32, 64), (60, 64), (64, 64), (3, 7)])
 def test_wilson_interval_solves_the_score_equation(wins, n):
     """The Wilson bounds are the two roots p of (wins/n - p)^2 = z^2 p (1 - p) / n: solved here as
-    a quadratic, independently of the closed form in textrl.cli.evaluate."""
+    a quadratic, independently of the closed form in textrl.results."""
     z2, q = 1.959963984540054**2, wins / n
     a, b, c = 1 + z2 / n, -(2 * q + z2 / n), q * q
     root = math.sqrt(b * b - 4 * a * c)

@@ -13,8 +13,10 @@ Evaluation is Lightning's validation loop: greedy play on the held-out games.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+import os
 import resource
 import time
 from pathlib import Path
@@ -37,6 +39,7 @@ from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.update import PPOUpdate, Runtime
+from textrl.results import summarize
 from textrl.rollout import Episode, Player, Sampling, check_aborted, episode_seeds, play_games
 from textrl.training.curriculum import Curriculum
 from textrl.training.loggers import log_transcripts
@@ -234,6 +237,9 @@ class PPOModule(L.LightningModule):
         self.log_dict(metrics, on_epoch=True, sync_dist=True)
         self.log("eval/games", float(len(episodes)), on_epoch=True, sync_dist=True, reduce_fx="sum")
         self.log("eval/aborted", float(aborted + train_aborted), on_epoch=True, sync_dist=True, reduce_fx="sum")
+        held_out = self._all_ranks_episodes(self._eval_episodes[0])  # a collective: every rank joins
+        if self.trainer.is_global_zero and any(e.aborted is None for e in held_out):
+            self._write_evaluation(held_out, iteration)
         if self.cfg.eval.transcripts and self.trainer.is_global_zero:
             shown = episodes[: self.cfg.eval.transcripts]
             with self._trainer.precision_plugin.forward_context():  # the alternatives: one forward per step
@@ -242,6 +248,28 @@ class PPOModule(L.LightningModule):
             text = write_transcripts(shown, path, f"Greedy evaluation after iteration {iteration}: win rate "
                                      f"{metrics['eval/win_rate']:.2f} on {len(episodes)} games", rows)
             log_transcripts(self.logger, rows, text, iteration)
+
+    def _all_ranks_episodes(self, episodes: list[Episode]) -> list[Episode]:
+        """Every rank's episodes (each rank played its share of the held-out games), in the games' order."""
+        if self._world_size() == 1:
+            return episodes
+        parts: list = [None] * self._world_size()
+        torch.distributed.all_gather_object(parts, episodes)
+        order = {game_name(p): k for k, p in enumerate(self.trainer.datamodule.eval_games)}
+        return sorted((e for part in parts for e in part), key=lambda e: order.get(game_name(e.game), len(order)))
+
+    def _write_evaluation(self, episodes: list[Episode], iteration: int) -> None:
+        """``evaluation/iter_<k>.json``: the held-out evaluation after iteration k as ``textrl-eval``
+        writes its ``results.json`` (``textrl.results``: every game, 95% intervals, how the games not
+        won failed), so a run's final evaluation need not be played again (``bench/families.py``)."""
+        summary = {"policy": f"run:{self.cfg.output_dir}", "iteration": iteration, "env": self.cfg.env.name,
+                   "trained_on": self.cfg.env.name, "max_steps": self.cfg.env.max_steps, "greedy": True,
+                   "precision": str(self.trainer.precision), **summarize(episodes)}
+        path = Path(self.cfg.output_dir) / "evaluation" / f"iter_{iteration:04d}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".json.tmp")  # renamed when complete: a kill leaves no half-written file
+        partial.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(partial, path)
 
     def _probe_metrics(self) -> dict[str, float]:
         """The probability (T = 1) the policy gives each probe game's walkthrough first command at
