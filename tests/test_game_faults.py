@@ -7,6 +7,7 @@ fault. Real games and the real tiny model; faults are injected into a real game'
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import replace
@@ -238,6 +239,10 @@ def test_training_leaves_aborted_episodes_out_counts_them_and_stops_when_too_man
     eval_rows = [r for r in rows if r.get("eval/aborted")]
     assert [(float(r["rollout/aborted"]), float(r["rollout/episodes"])) for r in train_rows] == [(1.0, 3.0)]
     assert [(float(r["eval/aborted"]), float(r["eval/games"])) for r in eval_rows] == [(1.0, 3.0)]
+    # the evaluation file counts the faulted game apart, with its reason, not as a game lost
+    written = json.loads((tmp_path / "run" / "evaluation" / "iter_0001.json").read_text())
+    assert written["games"] == 3 and len(written["per_game"]) == 3
+    assert [a["reason"] for a in written["aborted"]] and "the engine broke" in written["aborted"][0]["reason"]
     arm = OneFaultEach()
     fault_when_armed(monkeypatch, arm)
     with pytest.raises(GameFaultError, match=r"1 of 4 training episodes were aborted by game faults, more than "
