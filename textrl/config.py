@@ -93,6 +93,12 @@ class EnvConfig:
     # what it was paid (Game._shaped). TextWorld games only (TextWorldExpress scores its subtasks
     # already); evaluation never computes it (EnvConfig.for_evaluation). 0: the game's score alone
     shaping: float = 0.0
+    # training rollouts only: - repeat_penalty on a step that plays a command already played from the
+    # same state earlier in the episode (the same room description and inventory: Observation.state).
+    # A deterministic (greedy) policy that repeats a command from a state it comes back to loops for
+    # good; this makes a repeat cost more than a new command, so the policy learns, from the history
+    # in its prompt, to try something else. Evaluation never computes it. 0: off
+    repeat_penalty: float = 0.0
     history_len: int = 8  # past turns kept by the environment
     # oldest turns are dropped beyond this (four at a time); 8 turns of long easy room descriptions
     # reach ~1050 tokens
@@ -132,8 +138,8 @@ class EnvConfig:
 
     def for_evaluation(self) -> EnvConfig:
         """These settings as evaluation plays them: the game's own rewards, no shaping (evaluation
-        games never compute the winning path that shaping reads)."""
-        return replace(self, shaping=0.0)
+        games never compute the winning path that shaping reads) and no repeat penalty."""
+        return replace(self, shaping=0.0, repeat_penalty=0.0)
 
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
         """These games, shown the way a policy trained on ``policy_env`` saw its own: its prompt
@@ -377,6 +383,8 @@ def _check_env(e: EnvConfig) -> None:
     _check("env.shaping", e.shaping, e.shaping == 0 or not e.game.startswith("twx-"),
            f"0 with env.game={e.game}: shaping reads TextWorld's winning path; TextWorldExpress's score "
            f"already counts its subtasks")
+    _check("env.repeat_penalty", e.repeat_penalty, math.isfinite(e.repeat_penalty) and e.repeat_penalty >= 0,
+           "a number >= 0 (0: off)")
     _check("env.group_size", e.group_size, e.num_envs % e.group_size == 0,
            f"a divisor of env.num_envs ({e.num_envs}): each game is played group_size times")
     games = e.num_envs // e.group_size

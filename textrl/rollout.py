@@ -71,6 +71,18 @@ class Episode:
     def total_return(self) -> float:
         return sum(s.reward for s in self.steps)
 
+    @property
+    def repeats(self) -> int:
+        """Turns that play a command already played from the same state earlier in the episode
+        (``Observation.state``): what ``env.repeat_penalty`` charges, and how a loop shows."""
+        seen: set = set()
+        count = 0
+        for s in self.steps:
+            played = (*s.observation.state, s.action.command)
+            count += played in seen
+            seen.add(played)
+        return count
+
 
 @dataclass
 class RolloutStats:
@@ -326,12 +338,3 @@ def check_aborted(aborted: float, total: float, max_aborted: float, what: str) -
     if total and aborted / total > max_aborted:
         raise GameFaultError(f"{aborted:g} of {total:g} {what} episodes were aborted by game faults, more than "
                              f"env.max_aborted={max_aborted:g} of them; the log names each game and its error")
-
-
-def episode_metrics(episodes: list[Episode], prefix: str) -> dict[str, float]:
-    n = max(len(episodes), 1)
-    return {
-        f"{prefix}/win_rate": sum(e.won for e in episodes) / n,
-        f"{prefix}/episode_len": sum(e.length for e in episodes) / n,
-        f"{prefix}/return": sum(e.total_return for e in episodes) / n,
-    }

@@ -4,7 +4,8 @@ by the file.
 
 Reward per step = score change + ``win_bonus`` on the winning step − ``step_penalty`` (+ ``shaping``
 x the step's progress on TextWorld's tracked winning path, in training rollouts only:
-``Game._shaped``). The losing step also costs ``loss_penalty`` and the step penalty of every step the
+``Game._shaped``; − ``repeat_penalty`` on a command already played from the same state in the
+episode, in training rollouts only). The losing step also costs ``loss_penalty`` and the step penalty of every step the
 loss leaves unplayed: a lost episode costs what one played to ``max_steps`` without winning costs,
 plus ``loss_penalty``, so losing is never a shortcut past the step penalty (charged only the losing
 step's penalty, policies on tw-treasure_hunter and Pecking Order learned to take a wrong object at
@@ -86,6 +87,12 @@ class Observation:
     # actions left on TextWorld's tracked winning path (with shaping on; 0 once won); None: not
     # computed, or no path (the game can no longer be won)
     steps_to_win: int | None = None
+
+    @property
+    def state(self) -> tuple[str, str]:
+        """What the game shows of its state: the room description and the inventory (not the feedback,
+        which tells how the state was reached). GiGPO's step groups and the repeat penalty read it."""
+        return self.description, self.inventory
 
 
 @dataclass
@@ -191,15 +198,16 @@ class Game:
 
     The history holds at most ``history_len`` turns. When it would exceed that, the oldest half is
     dropped at once rather than one turn per step: the prompt then keeps extending the previous one
-    for ``history_len // 2`` turns. (The decoder drops the cut turns from its KV cache and feeds only
-    the new tokens either way, ``textrl.policy.stream``; fewer cuts keep more turns in view on average.)
+    for ``history_len // 2`` turns (with ``env.drop_turns_from_cache`` the decoder drops the cut turns
+    from its KV cache and feeds only the new tokens, ``textrl.policy.stream``), and fewer cuts keep
+    more turns in view on average.
     """
 
     interrupt_late_calls = True  # a call still running at step_timeout is interrupted (``_deadline``)
 
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
                  win_bonus: float = 1.0, history_len: int = 8, loss_penalty: float = 1.0, *,
-                 step_timeout: float | None = None, shaping: float = 0.0):
+                 step_timeout: float | None = None, shaping: float = 0.0, repeat_penalty: float = 0.0):
         game_file = Path(game_file)
         check_game_file(game_file)
         if max_steps < 1:
@@ -214,6 +222,8 @@ class Game:
         self.history_len = history_len
         self.step_timeout = step_timeout  # seconds an engine call may take (None: unbounded)
         self.shaping = shaping  # reward per action of progress on the winning path (TextWorld only)
+        self.repeat_penalty = repeat_penalty  # subtracted on a repeated (state, command) in the episode
+        self._played: set[tuple[str, str, str]] = set()  # (state, command) pairs of this episode
         self.fault: GameFault | None = None  # the engine's last fault: it is not reused
         self._start_distance: int | None = None  # the episode's first steps_to_win (shaping)
         self.history: list[Turn] = []
@@ -226,7 +236,7 @@ class Game:
     def for_env(cls, game_file: str | Path, env) -> Game:
         """The game with an EnvConfig's step limit, rewards, history length and step timeout."""
         return cls(game_file, env.max_steps, env.step_penalty, env.win_bonus, env.history_len, env.loss_penalty,
-                   step_timeout=env.step_timeout, shaping=env.shaping)
+                   step_timeout=env.step_timeout, shaping=env.shaping, repeat_penalty=env.repeat_penalty)
 
     # ---- the engine ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -270,6 +280,7 @@ class Game:
         self.observation, walkthrough = self._call("reset", self._reset)
         self.walkthrough = list(walkthrough)
         self.history.clear()
+        self._played.clear()
         self.steps = 0
         self._start_distance = self.observation.steps_to_win  # shaping's distance where the path is lost
         return self.observation
@@ -284,13 +295,17 @@ class Game:
             raise InvalidCommandError(
                 f"{command!r} is not admissible here; admissible commands: {obs.admissible_commands}")
         new = self._call(f"step {self.steps + 1} ({command!r})", self._step, command)
+        played = (*obs.state, command)
+        repeated = played in self._played
+        self._played.add(played)
         self.steps += 1
         self.history.append(Turn(obs, command))
         if len(self.history) > self.history_len:
             del self.history[: max(1, self.history_len // 2)]
         self.observation = new
         reward = ((new.score - obs.score) + (self.win_bonus if new.won else 0.0)
-                  - (self._lost_cost() if new.lost else 0.0) - self.step_penalty + self._shaped(obs, new))
+                  - (self._lost_cost() if new.lost else 0.0) - self.step_penalty + self._shaped(obs, new)
+                  - (self.repeat_penalty if repeated else 0.0))
         terminated = new.won or new.lost or not new.admissible_commands  # no command: nothing can follow
         truncated = not terminated and self.steps >= self.max_steps
         return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})

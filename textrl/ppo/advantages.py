@@ -99,7 +99,7 @@ def gigpo(returns: torch.Tensor, groups: list, step_returns: torch.Tensor, step_
 def state_key(episode: Episode, step: Step) -> tuple:
     """The state a turn starts from, as GiGPO's anchor: the game, and what the game shows of it
     (room description and inventory); not the feedback, which tells how the state was reached."""
-    return episode.game, step.observation.description, step.observation.inventory
+    return episode.game, *step.observation.state
 
 
 def _members(groups: list) -> dict:

@@ -37,8 +37,10 @@ class Curriculum:
         self.lost: list[str] = []
         self.train_games: list[Path] = []  # the current stage's training pool
         self.eval_games: list[Path] = []  # env's held-out games (evaluation never changes stage)
-        # each stage's games shown with env's prompt settings, and its own prompt budget; shaped as env is
-        self.stage_envs = [replace(load_env_config(s).with_prompt_of(cfg.env), shaping=cfg.env.shaping)
+        # each stage's games shown with env's prompt settings, and its own prompt budget; shaped (and
+        # repeats penalised) as env is
+        self.stage_envs = [replace(load_env_config(s).with_prompt_of(cfg.env), shaping=cfg.env.shaping,
+                                   repeat_penalty=cfg.env.repeat_penalty)
                            for s in cfg.curriculum.stages]
 
     @property

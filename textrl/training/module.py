@@ -131,17 +131,20 @@ class PPOModule(L.LightningModule):
         self.iterations_done = iteration + 1
 
     def _all_ranks_metrics(self, episodes: list[Episode], prefix: str, entropy: bool = False) -> dict[str, float]:
-        """``episode_metrics`` over all ranks' episodes, in one reduction that every rank joins (a
-        rank with no episode too): the same figures on every rank, weighted by episodes (a mean of
-        the ranks' means would weigh a rank's few episodes like another's many). ``entropy``: also
+        """``<prefix>/win_rate``, ``episode_len``, ``return`` (means over episodes) and ``repeats``
+        (the share of turns that repeat a command from the same state, ``Episode.repeats``) over all
+        ranks' episodes, in one reduction that every rank joins (a rank with no episode too): the same
+        figures on every rank, weighted by episodes (a mean of the ranks' means would weigh a rank's
+        few episodes like another's many). ``entropy``: also
         ``<prefix>/first_fork_entropy``, the mean entropy of each command's first decision."""
         first = [s.action.decisions[0].entropy for e in episodes for s in e.steps if s.action.decisions]
         sums = self._all_reduce(torch.tensor(
             [len(episodes), sum(e.won for e in episodes), sum(e.length for e in episodes),
-             sum(e.total_return for e in episodes), sum(first), len(first)], dtype=torch.float64, device=self.device),
-            "sum").tolist()
+             sum(e.total_return for e in episodes), sum(first), len(first), sum(e.repeats for e in episodes)],
+            dtype=torch.float64, device=self.device), "sum").tolist()
         n = max(sums[0], 1.0)
-        out = {f"{prefix}/win_rate": sums[1] / n, f"{prefix}/episode_len": sums[2] / n, f"{prefix}/return": sums[3] / n}
+        out = {f"{prefix}/win_rate": sums[1] / n, f"{prefix}/episode_len": sums[2] / n, f"{prefix}/return": sums[3] / n,
+               f"{prefix}/repeats": sums[6] / max(sums[2], 1.0)}  # a share of all turns
         if entropy:
             out[f"{prefix}/first_fork_entropy"] = sums[4] / max(sums[5], 1.0)
         return out
