@@ -78,6 +78,8 @@ CONFIGS = {
     "lora_all": ["memory=lora"],  # LoRA adapters on all 30 blocks instead of the top 6 blocks
     # + 0.2 per command of progress on the game's shortest winning path (training games only)
     "shaping": ["env.shaping=0.2"],
+    # - 0.2 for a command played again from the same state in the episode (training games only)
+    "repeat_penalty": ["env.repeat_penalty=0.2"],
 }
 
 
