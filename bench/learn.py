@@ -198,6 +198,10 @@ def summarize_run(run_dir: Path, started: float | None = None, minutes: float | 
         # between evaluations, which a run evaluated rarely (medium_cpu) has no other way to show
         "rollout_curve": [[int(float(r["iteration"])), float(r["rollout/win_rate"]), float(r["rollout/episode_len"])]
                           for r in rows if r.get("rollout/win_rate")],
+        # the share of turns that repeat a command from the same state (env.repeat_penalty's count):
+        # how much of the play is loops, in the last evaluation and in each iteration's rollouts
+        "eval_repeats": float(last["eval/repeats"]) if last.get("eval/repeats") else None,
+        "rollout_repeats": [float(r["rollout/repeats"]) for r in rows if r.get("rollout/repeats")],
         "iterations": int(float(last["iteration"])),
         "seconds_per_iteration": {"rollout": mean("perf/rollout_s"), "recompute_old": mean("perf/recompute_s"),
                                   "reference": mean("perf/reference_s"), "update": mean("perf/update_s"),

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 import textrl.cli.train as cli
-from textrl.config import load_env_config
+from textrl.config import ConfigError, load_env_config
 from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.rollout import Sampling, episode_seeds, play_games
@@ -41,7 +41,7 @@ def test_a_command_played_again_from_the_same_state_costs_the_penalty():
 
 
 def test_the_penalty_must_be_a_number_at_least_0():
-    with pytest.raises(Exception, match="env.repeat_penalty=-0.1 is not allowed: a number >= 0"):
+    with pytest.raises(ConfigError, match="env.repeat_penalty=-0.1 is not allowed: a number >= 0"):
         compose_train(["env.repeat_penalty=-0.1"])
 
 
@@ -61,7 +61,7 @@ def test_training_rollouts_pay_for_each_repeat_and_evaluation_never_does(tmp_pat
     curriculum = result["trainer"].datamodule.curriculum
     games = curriculum.games(0).games
     episodes, _ = play_games(module.player, games, curriculum.env, Sampling(1.0, episode_seeds(0, 0, games)))
-    assert sum(e.repeats for e in episodes) > 0  # the untrained policy repeats itself, so this could fail
+    assert sum(e.repeats for e in episodes) > 0  # else the check below would hold without the penalty
     for path, episode in zip(games, episodes):
         plain = open_game(path, module.cfg.env.for_evaluation())
         try:

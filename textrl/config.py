@@ -97,7 +97,8 @@ class EnvConfig:
     # same state earlier in the episode (the same room description and inventory: Observation.state).
     # A deterministic (greedy) policy that repeats a command from a state it comes back to loops for
     # good; this makes a repeat cost more than a new command, so the policy learns, from the history
-    # in its prompt, to try something else. Evaluation never computes it. 0: off
+    # in its prompt, to try something else. Evaluation never computes it. Where a game's progress
+    # shows only in its feedback (Simon Says, Arithmetic), a right command can be a repeat. 0: off
     repeat_penalty: float = 0.0
     history_len: int = 8  # past turns kept by the environment
     # oldest turns are dropped beyond this (four at a time); 8 turns of long easy room descriptions
