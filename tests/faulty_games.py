@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from textrl.games.workers import GameHost
 
@@ -41,8 +42,32 @@ def engine_dies(game, step, command):  # TextWorldExpress: its Java process
 
 
 def engine_stops(game, step, command):  # TextWorldExpress: its Java process stopped, never answering
-    os.kill(game._env._gateway.java_process.pid, signal.SIGSTOP)
+    pid = game._env._gateway.java_process.pid
+    os.kill(pid, signal.SIGSTOP)
+    # kill() returns before the JVM's threads have all stopped: on a busy machine its socket thread
+    # could still answer this step (CI saw it answer, and step K+1 fault instead)
+    wait_until_stopped(pid)
     return step(command)
+
+
+def wait_until_stopped(pid: int, within_s: float = 10.0) -> None:
+    """Until every thread of ``pid`` is in the stopped state ('T' in /proc/PID/task/*/stat); where
+    there is no /proc (macOS), a pause instead."""
+    if not Path(f"/proc/{pid}/task").is_dir():
+        time.sleep(1.0)
+        return
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):  # a thread that ended meanwhile
+                pass
+        if states and all(s in "Tt" for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {within_s} s of SIGSTOP")
 
 
 def no_commands(game, step, command):
