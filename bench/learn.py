@@ -73,6 +73,8 @@ CONFIGS = {
     "gigpo": ["env.group_size=4", "ppo.advantage=gigpo"],
     "kl": ["ppo.kl_coef=0.05"],  # KL anchor to the initial policy
     "explore": ["ppo.explore=0.1"],  # 10 % uniform over each fork's children
+    # the recipe's exploration share, x 0.75 each iteration (0.3 falls to 0.02 by the tenth)
+    "explore_decay": ["ppo.explore_decay=0.75"],
     "warm_start": ["warm_start.steps=16"],  # behaviour cloning: 2 passes over 64 training walkthroughs first
     "list_commands": ["env.list_commands=true"],  # admissible commands shown in the prompt
     "lora_all": ["memory=lora"],  # LoRA adapters on all 30 blocks instead of the top 6 blocks

@@ -183,7 +183,8 @@ def test_kl_to_the_reference_is_zero_at_the_first_update_and_grows_after_a_step(
         after, _ = update.loss(first, data, n)
     assert float(after.kl_ref) > 1e-6
     # the reference itself did not move: swapped in again, it gives back the stored log-probs
-    again_ref = update.reference_logprobs([[first]], data.rollout, data.targets.temperatures, data.prefix)
+    again_ref = update.reference_logprobs([[first]], data.rollout, data.targets.temperatures, data.prefix,
+                                          data.coefs.explore)
     again_data = replace(data, targets=replace(data.targets, ref_logprobs=again_ref))
     with torch.no_grad():
         again, _ = update.loss(first, again_data, n)

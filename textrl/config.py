@@ -210,6 +210,10 @@ class PPOConfig:
     # (on-policy). Keeps probability on admissible commands the model's prior ignores; greedy
     # evaluation is unaffected. 0: off
     explore: float = 0.0
+    # iteration k explores with explore x explore_decay^k: early rollouts find wins the model's prior
+    # misses, late ones play near the policy itself, so the update trains the states its greedy play
+    # (the evaluation) reaches. 1: constant
+    explore_decay: float = 1.0
     temperature: float = 1.0  # initial sampling temperature
     temperature_decay: float = 0.995  # per iteration
     temperature_min: float = 0.5
@@ -408,6 +412,7 @@ def _check_ppo(p: PPOConfig, e: EnvConfig) -> None:
     for key in ["vf_coef", "ent_coef", "weight_decay", "kl_coef"]:
         _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 0, "a number >= 0")
     _check("ppo.explore", p.explore, 0 <= p.explore < 1, "a number in [0, 1)")
+    _check("ppo.explore_decay", p.explore_decay, 0 < p.explore_decay <= 1, "a number in (0, 1]")
     _check("ppo.target_kl", p.target_kl, p.target_kl is None or (math.isfinite(p.target_kl) and p.target_kl > 0),
            "a number > 0, or null (no early stop)")
     for key in ["gamma", "lam", "temperature_decay"]:

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -80,6 +80,7 @@ class IterationData:
     steps: list[OptimizerStep]  # every pass's optimizer steps, in order
     targets: Targets
     prefix: PrefixOutputs | None  # the frozen blocks' recorded outputs (ppo.cache_frozen)
+    coefs: LossCoefs  # the loss's settings, with this iteration's exploration
 
     @property
     def sequences(self) -> list[TrainingSequence]:
@@ -162,6 +163,12 @@ class IterationStats:
         return out
 
 
+def explore_at(ppo: PPOConfig, iteration: int) -> float:
+    """The exploration share of iteration ``iteration`` (0-based): explore x explore_decay^iteration.
+    The rollout samples from this mixture and the update trains it (its ratios, recompute, reference)."""
+    return ppo.explore * ppo.explore_decay ** iteration
+
+
 class PPOUpdate:
     def __init__(self, policy: PolicyValueModel, ppo: PPOConfig, pad_id: int, seed: int, *,
                  reference: ReferencePolicy | None = None, frozen: FrozenPrefix | None = None,
@@ -171,8 +178,9 @@ class PPOUpdate:
         self.frozen = frozen  # frozen blocks under the trainable ones, replayed (ppo.cache_frozen)
         self.runtime = runtime or Runtime()
         self.uses_value = ppo.advantage == "gae"  # group baselines need no value head
+        # explore: the first iteration's; each iteration's own is in its IterationData
         self.coefs = LossCoefs(ppo.clip, ppo.vf_coef if self.uses_value else 0.0, ppo.ent_coef, ppo.kl_coef,
-                               ppo.explore)
+                               explore_at(ppo, 0))
         self.skipped_in_a_row = 0  # optimizer steps skipped for non-finite gradients, across iterations
 
     @property
@@ -223,6 +231,7 @@ class PPOUpdate:
         sequences = self.equalize_across_ranks(rollout.sequences)
         steps = optimizer_steps(sequences, p.minibatch_size, p.grad_accum, p.epochs, iteration_rng(self.seed, iteration))
         first_pass = [[mb for mb in step if mb[0] is not None] for step in steps[: len(steps) // p.epochs]]
+        coefs = replace(self.coefs, explore=explore_at(p, iteration))  # the mixture the rollout sampled
 
         # what the rollout recorded, on the device in one copy
         sampled, old_values, temperatures = torch.stack([rollout.logprobs, rollout.values, rollout.temperatures]).to(self.device)
@@ -230,12 +239,13 @@ class PPOUpdate:
         old_logprobs = sampled
         if p.recompute_old:
             with stats.timer.phase("recompute"):
-                old_logprobs, old_values = self.recompute_old(first_pass, sampled, old_values, temperatures, prefix)
+                old_logprobs, old_values = self.recompute_old(first_pass, sampled, old_values, temperatures, prefix,
+                                                            coefs.explore)
             stats.rollout_logratio_max = (old_logprobs - sampled).abs().max() if rollout.count else sampled.new_zeros(())
         ref_logprobs = None
         if self.reference is not None:
             with stats.timer.phase("reference"):
-                ref_logprobs = self.reference_logprobs(first_pass, rollout, temperatures, prefix)
+                ref_logprobs = self.reference_logprobs(first_pass, rollout, temperatures, prefix, coefs.explore)
 
         # GAE runs over the episodes' turns on the host: the old values' one read per iteration
         host_values = old_values.cpu()
@@ -244,7 +254,7 @@ class PPOUpdate:
         stats.old_values, stats.returns = host_values, returns.float()
         advantages, returns = torch.stack([advantages, returns]).float().to(self.device)
         targets = Targets(old_logprobs, old_values, advantages, returns, temperatures, ref_logprobs)
-        return IterationData(rollout, steps, targets, prefix)
+        return IterationData(rollout, steps, targets, prefix, coefs)
 
     def loss(self, minibatch: Minibatch, data: IterationData, normalizer: float) -> tuple[PPOTerms, int]:
         """The minibatch's PPO loss (its share of an optimizer step of ``normalizer`` decisions) and
@@ -254,7 +264,7 @@ class PPOUpdate:
             zero = sum(q.sum() for q in self.policy.parameters() if q.requires_grad) * 0.0
             return PPOTerms.none(zero), 0
         out = decision_forward(self.policy, minibatch, self.pad_id, data.prefix)
-        return ppo_loss(self.batch(out, data.targets), self.coefs, normalizer), out.fed
+        return ppo_loss(self.batch(out, data.targets), data.coefs, normalizer), out.fed
 
     # ---- the pieces run() calls ---------------------------------------------------------------
     def batch(self, out: ForkOutputs, targets: Targets) -> DecisionBatch:
@@ -267,36 +277,38 @@ class PPOUpdate:
                              advantages=targets.advantages[idx], values=out.values, returns=targets.returns[idx],
                              ref_logprobs=ref)
 
-    def forward_logprobs(self, minibatch: Minibatch, temperatures: torch.Tensor, prefix: PrefixOutputs | None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward_logprobs(self, minibatch: Minibatch, temperatures: torch.Tensor, prefix: PrefixOutputs | None,
+                         explore: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """No-grad forward: each decision's log-probs over its fork's children at its temperature,
-        the chosen entry's, the values, and where the decisions sit in the iteration's tensors."""
+        mixed with ``explore`` x uniform, the chosen entry's, the values, and where the decisions sit
+        in the iteration's tensors."""
         out = decision_forward(self.policy, minibatch, self.pad_id, prefix)
-        logp = fork_logprobs(out.logits, out.valid, temperatures[out.decisions][:, None], self.ppo.explore)
+        logp = fork_logprobs(out.logits, out.valid, temperatures[out.decisions][:, None], explore)
         return logp, logp.gather(1, out.chosen[:, None]).squeeze(1), out.values, out.decisions
 
     @torch.no_grad()
     def recompute_old(self, steps: list[OptimizerStep], logprobs: torch.Tensor, values: torch.Tensor,
-                      temperatures: torch.Tensor, prefix: PrefixOutputs | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperatures: torch.Tensor, prefix: PrefixOutputs | None, explore: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The old log-probs and values from the update's own forward, over the first pass's
         minibatches (the same shapes the first update sees): under mixed precision the rollout's
         packed calls round differently, and the first ratio would not be 1."""
         logprobs, values = logprobs.clone(), values.clone()
         for minibatch in (mb for step in steps for mb in step):
-            _, chosen, v, idx = self.forward_logprobs(minibatch, temperatures, prefix)
+            _, chosen, v, idx = self.forward_logprobs(minibatch, temperatures, prefix, explore)
             logprobs[idx], values[idx] = chosen.float(), v.float()
         return logprobs, values
 
     @torch.no_grad()
     def reference_logprobs(self, steps: list[OptimizerStep], rollout: RolloutDecisions, temperatures: torch.Tensor,
-                           prefix: PrefixOutputs | None) -> torch.Tensor:
+                           prefix: PrefixOutputs | None, explore: float) -> torch.Tensor:
         """Each decision's log-probs over its fork's children under the KL anchor's reference
         policy, [decisions, widest fork] with -inf at the padding; fixed for the iteration."""
         width = max((len(a) for s in rollout.sequences for a in s.allowed), default=1)
         ref = torch.full((rollout.count, width), float("-inf"), device=self.device)
         with self.reference.active(self.policy.lm):
             for minibatch in (mb for step in steps for mb in step):
-                logp, _, _, idx = self.forward_logprobs(minibatch, temperatures, prefix)
+                logp, _, _, idx = self.forward_logprobs(minibatch, temperatures, prefix, explore)
                 ref[idx, : logp.shape[1]] = logp.float()
         return ref
 

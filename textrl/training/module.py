@@ -38,7 +38,7 @@ from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.reference import ReferencePolicy
-from textrl.ppo.update import PPOUpdate, Runtime
+from textrl.ppo.update import PPOUpdate, Runtime, explore_at
 from textrl.results import summarize
 from textrl.rollout import Episode, Player, Sampling, check_aborted, episode_seeds, play_games
 from textrl.training.curriculum import Curriculum
@@ -111,7 +111,8 @@ class PPOModule(L.LightningModule):
         optimizer = self.optimizers()
         lr_lm, lr_value = (g["lr"] for g in optimizer.param_groups)  # the rates this iteration uses
 
-        sampling = Sampling(temperature, episode_seeds(self.cfg.seed, iteration, played.games), self.cfg.ppo.explore)
+        explore = explore_at(self.cfg.ppo, iteration)  # the update trains this same mixture (PPOUpdate.prepare)
+        sampling = Sampling(temperature, episode_seeds(self.cfg.seed, iteration, played.games), explore)
         episodes, rollout_stats = play_games(self.player, played.games, played.env, sampling)
         episodes, aborted = self._completed(episodes, played.env.max_aborted, "training")  # game faults: left out
         outcome = self._all_ranks_metrics(episodes, "rollout")  # every rank reduces, whatever its share
@@ -120,7 +121,7 @@ class PPOModule(L.LightningModule):
         stats = self.update.run(episodes, iteration, optimizer)
         self.lr_schedulers().step()
 
-        self.log_dict({**outcome, "rollout/temperature": temperature,
+        self.log_dict({**outcome, "rollout/temperature": temperature, "rollout/explore": explore,
                        **rollout_stats.metrics(), **stats.metrics(), **curriculum.metrics(played),
                        "optim/lr_lm": lr_lm, "optim/lr_value": lr_value,
                        "perf/peak_mem_gb": peak_memory_gb(self.device), "iteration": float(iteration + 1)},
