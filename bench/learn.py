@@ -76,8 +76,6 @@ CONFIGS = {
     # the recipe's exploration share, x 0.75 each iteration (0.3 falls to 0.02 by the tenth)
     "explore_decay": ["ppo.explore_decay=0.75"],
     "warm_start": ["warm_start.steps=16"],  # behaviour cloning: 2 passes over 64 training walkthroughs first
-    # 2 passes over 256 training walkthroughs (with iterations=0: the cloned policy alone, evaluated)
-    "warm_start_256": ["warm_start.steps=64", "warm_start.games=256"],
     "list_commands": ["env.list_commands=true"],  # admissible commands shown in the prompt
     "lora_all": ["memory=lora"],  # LoRA adapters on all 30 blocks instead of the top 6 blocks
     # + 0.2 per command of progress on the game's shortest winning path (training games only)
