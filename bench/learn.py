@@ -197,7 +197,7 @@ def summarize_run(run_dir: Path, started: float | None = None, minutes: float | 
                        for r in evals],
         "rollout_win_rate_first_iterations": [float(r["rollout/win_rate"]) for r in rows if r.get("rollout/win_rate")][:3],
         # the training rollouts' (sampled) win rate and episode length at every iteration: the curve
-        # between evaluations, which a run evaluated rarely (medium_cpu) has no other way to show
+        # between evaluations, which a run evaluated rarely (medium_rl_cpu) has no other way to show
         "rollout_curve": [[int(float(r["iteration"])), float(r["rollout/win_rate"]), float(r["rollout/episode_len"])]
                           for r in rows if r.get("rollout/win_rate")],
         # the share of turns that repeat a command from the same state (env.repeat_penalty's count):

@@ -77,6 +77,19 @@ def test_auto_precision_is_measured_on_a_cpu_and_native_bf16_on_a_gpu(monkeypatc
         assert (gpu.memory.precision, gpu.ppo.recompute_old) == (("bf16-mixed", True) if native else ("32-true", False))
 
 
+def test_the_medium_recipe_is_the_measured_warm_start_command():
+    """bench/results/learn_medium_bc256_default.json measured medium_cpu's values as command-line
+    overrides over the RL-alone recipe (then named medium_cpu, now medium_rl_cpu): the recipe must be
+    that run, or its documented figures are not its own."""
+    recipe = OmegaConf.structured(compose_train(["experiment=medium_cpu"]))
+    measured = OmegaConf.structured(compose_train([
+        "experiment=medium_rl_cpu", "warm_start.steps=64", "warm_start.games=256", "iterations=0",
+        "eval.games=64", "eval.train_games=0"]))
+    assert (recipe.experiment, measured.experiment) == ("medium_cpu", "medium_rl_cpu")
+    recipe.experiment = measured.experiment
+    assert OmegaConf.to_container(recipe) == OmegaConf.to_container(measured)
+
+
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_option_of_every_group_composes(group):
     found = options(group)

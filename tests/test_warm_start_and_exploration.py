@@ -1,6 +1,7 @@
 """Walkthrough warm start and the exploration mixture, on real games and the tiny model."""
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -89,7 +90,8 @@ def test_walkthroughs_replay_as_the_turns_a_rollout_records(tiny):
                 node = node.children[token]
 
 
-def test_warm_start_raises_the_walkthrough_commands_probability_and_reads_only_training_games(tmp_path, monkeypatch):
+def test_warm_start_raises_the_walkthrough_commands_probability_and_reads_only_training_games(tmp_path, monkeypatch,
+                                                                                            caplog):
     opened = []
 
     real_open = ws.open_game
@@ -102,8 +104,12 @@ def test_warm_start_raises_the_walkthrough_commands_probability_and_reads_only_t
     cfg = config(tmp_path, "warm_start.steps=12", "warm_start.games=8", "warm_start.batch=4", "warm_start.lr=3e-3")
     torch.manual_seed(0)
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
-    figures = ws.warm_start(policy, tokenizer, cfg)
+    with caplog.at_level(logging.INFO, logger=ws.__name__):
+        figures = ws.warm_start(policy, tokenizer, cfg)
     assert figures["warm_start/walkthroughs"] + figures["warm_start/skipped"] == 8
+    # a progress line while it runs: every max(1, steps // 8) steps, so here every one of the 12
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm start: step ")]
+    assert len(progress) == 12 and progress[-1].startswith("warm start: step 12 of 12, cross-entropy ")
     assert figures["warm_start/command_prob_end"] > figures["warm_start/command_prob_start"] + 0.05
     assert figures["warm_start/loss_last"] < figures["warm_start/loss_first"]
     eval_games = {str(g) for g in GamePool("easy").games("eval", 32)}

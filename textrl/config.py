@@ -270,7 +270,7 @@ class EvalConfig:
     # probability of each game's walkthrough first command (probe/<game>, probe/mean); 0 skips them
     probes: int = 8
     # evaluate before training (iteration 0). An untrained policy plays every medium game to the
-    # step limit, which can cost more than an iteration: medium_cpu skips it
+    # step limit, which can cost more than an iteration: the medium and hard recipes skip it
     before_training: bool = True
 
 
