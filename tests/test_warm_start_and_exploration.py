@@ -15,6 +15,7 @@ from textrl.games.prompt import PromptBuilder
 from textrl.policy.distribution import fork_logprobs, mix_uniform
 from textrl.policy.model import build_policy
 from textrl.policy.trie import CommandTrie
+from textrl.ppo.sequences import training_sequences
 from textrl.rollout import Sampling, play_games
 from tests.conftest import Snapshot, config, read_metrics
 
@@ -88,6 +89,31 @@ def test_walkthroughs_replay_as_the_turns_a_rollout_records(tiny):
                 if k in forks:
                     assert step.action.decisions[forks.index(k)].allowed == sorted(node.children)
                 node = node.children[token]
+
+
+def test_the_command_probability_of_the_first_sequences_keeps_each_decision_on_its_turn(tiny):
+    """The warm start measures the walkthrough commands' probability on its first PROBE_SEQUENCES
+    sequences with the whole run's list of decision turns: each decision must still be counted on
+    its own turn (the product over a command's decisions), as computed directly here."""
+    policy, tokenizer = tiny
+    cfg = config("unused", "warm_start.games=4")
+    prompts = PromptBuilder(tokenizer, cfg.env.max_prompt_tokens)
+    episodes, _ = ws.walkthrough_episodes(GamePool("easy").games("train", 4), prompts, cfg)
+    sequences = training_sequences(episodes).sequences
+    steps = [step for episode in episodes for step in episode.steps]
+    turns = [t for t, step in enumerate(steps) for _ in step.action.decisions]
+    first = sequences[:2]
+    assert len(sequences) > 2 and 0 < sum(len(s.decisions) for s in first) < len(turns)
+    fabric = ws.make_fabric(cfg)
+    got = ws.command_probability(policy, first, tokenizer.pad_token_id, fabric, turns, 1)
+    with torch.no_grad():
+        logps = [float(lp) for s in first for lp in ws._decision_logprobs(policy, [s], tokenizer.pad_token_id)]
+    per_turn = {}
+    for turn, lp in zip(turns, logps):
+        per_turn[turn] = per_turn.get(turn, 0.0) + lp
+    direct = sum(math.exp(v) for v in per_turn.values()) / len(per_turn)
+    assert got == pytest.approx(direct, rel=1e-5)
+    assert len(per_turn) < len(set(turns))  # the first sequences' turns only
 
 
 def test_warm_start_raises_the_walkthrough_commands_probability_and_reads_only_training_games(tmp_path, monkeypatch,
