@@ -112,21 +112,26 @@ def test_each_distinct_setting_has_its_own_cache_entry(tmp_path):
 
 
 def test_cooking_held_out_games_take_foods_and_preparations_no_training_game_has():
-    """env.eval_settings: tw_cooking's training games are made with split=train, its held-out games
-    with split=valid, whose foods and preparations of foods are those TextWorld keeps out of train."""
+    """env.eval_settings: tw_cooking's training games made with split=train, its held-out games with
+    split=valid, whose foods and preparations of foods are those TextWorld keeps out of train."""
     from textworld.challenges.tw_cooking.cooking import FOOD_PREPARATIONS_SPLITS
 
     train_preparations = {(food, prep) for food, preps in FOOD_PREPARATIONS_SPLITS["train"].items() for prep in preps}
+    by_split = {"settings": {**load_env_config("tw_cooking").settings, "split": "train"},
+                "eval_settings": {"split": "valid"}}
     for split, made_with, in_train in (("train", "train", True), ("eval", "valid", False)):
-        _, paths = games_of("tw_cooking", split, 4)
+        _, paths = games_of("tw_cooking", split, 4, **by_split)
         for path in paths:
             meta = json.loads(path.with_suffix(".json").read_text())["metadata"]
             assert meta["settings"]["split"] == made_with
             assert all(((food, (cook, cut)) in train_preparations) == in_train for food, cook, cut in meta["ingredients"])
-    spec = GameSpec.from_env(load_env_config("tw_cooking"))
-    assert dict(spec.eval_settings) == {"split": "valid"} and spec.key.endswith("-eval-splitvalid-tw1.7.0")
+    cooking = load_env_config("tw_cooking")
+    for key, value in by_split.items():
+        setattr(cooking, key, value)
+    spec = GameSpec.from_env(cooking)
+    assert dict(spec.eval_settings) == {"split": "valid"} and spec.key.endswith("-splittrain-take1-eval-splitvalid-tw1.7.0")
     same = load_env_config("tw_cooking")
-    same.eval_settings = {"split": "train", "go": 1}  # what equals the training settings changes nothing
+    same.eval_settings = {"split": None, "go": 1}  # what equals the training settings changes nothing
     assert GameSpec.from_env(same).eval_settings == () and "-eval-" not in GameSpec.from_env(same).key
 
 
