@@ -78,6 +78,10 @@ def test_env_names_from_a_checkpoint_cannot_name_folders(trained, tmp_path, monk
     evil = crafted(trained["last"], tmp_path / "evil.ckpt", **{"env.name": "x/../../../outside"})
     with pytest.raises(SystemExit, match="env.name='x/../../../outside': a name, not a path"):
         eval_main(["--checkpoint", str(evil), "--games", "1"])
+    # the eval split's settings name the game cache folder too (GameSpec.key)
+    evil = crafted(trained["last"], tmp_path / "evil2.ckpt", **{"env.eval_settings": {"split": "../../outside"}})
+    with pytest.raises(SystemExit, match="env.eval_settings.split='../../outside': a name, not a path"):
+        eval_main(["--checkpoint", str(evil), "--games", "1"])
     assert not (tmp_path / "outside").exists() and list(work.iterdir()) == []
 
 

@@ -111,6 +111,42 @@ def test_each_distinct_setting_has_its_own_cache_entry(tmp_path):
     assert GameSpec.from_env(cooking).key == explicit
 
 
+def test_cooking_held_out_games_take_foods_and_preparations_no_training_game_has():
+    """env.eval_settings: tw_cooking's training games made with split=train, its held-out games with
+    split=valid, whose foods and preparations of foods are those TextWorld keeps out of train."""
+    from textworld.challenges.tw_cooking.cooking import FOOD_PREPARATIONS_SPLITS
+
+    train_preparations = {(food, prep) for food, preps in FOOD_PREPARATIONS_SPLITS["train"].items() for prep in preps}
+    by_split = {"settings": {**load_env_config("tw_cooking").settings, "split": "train"},
+                "eval_settings": {"split": "valid"}}
+    for split, made_with, in_train in (("train", "train", True), ("eval", "valid", False)):
+        _, paths = games_of("tw_cooking", split, 4, **by_split)
+        for path in paths:
+            meta = json.loads(path.with_suffix(".json").read_text())["metadata"]
+            assert meta["settings"]["split"] == made_with
+            assert all(((food, (cook, cut)) in train_preparations) == in_train for food, cook, cut in meta["ingredients"])
+    cooking = load_env_config("tw_cooking")
+    for key, value in by_split.items():
+        setattr(cooking, key, value)
+    spec = GameSpec.from_env(cooking)
+    assert dict(spec.eval_settings) == {"split": "valid"} and spec.key.endswith("-splittrain-take1-eval-splitvalid-tw1.7.0")
+    same = load_env_config("tw_cooking")
+    same.eval_settings = {"split": None, "go": 1}  # what equals the training settings changes nothing
+    assert GameSpec.from_env(same).eval_settings == () and "-eval-" not in GameSpec.from_env(same).key
+
+
+@pytest.mark.parametrize("option", ["easy", pytest.param("twx_cookingworld", marks=needs_java)])
+def test_eval_settings_are_only_for_the_challenge_families(option):
+    env = load_env_config(option)
+    env.eval_settings = {"split": "valid"}
+    with pytest.raises(ConfigError, match=f"env.eval_settings=.* is not allowed with env.game={env.game}"):
+        GameSpec.from_env(env)
+    cooking = load_env_config("tw_cooking")
+    cooking.eval_settings = {"split": "dev"}  # checked by the family's own parser, as env.settings
+    with pytest.raises(ConfigError, match="invalid choice: 'dev'"):
+        GameSpec.from_env(cooking)
+
+
 def test_challenge_settings_are_checked_by_the_family(tmp_path):
     coin = load_env_config("tw_coin")
     coin.settings = {"level": 3, "levl": 3}

@@ -76,6 +76,10 @@ class EnvConfig:
     # a challenge family's own options, named as in ``tw-make <family> --help`` (level, recipe, take,
     # go, open, cook, cut, drop, rewards, goal, ...); what is left out takes the family's default
     settings: Dict[str, Any] = field(default_factory=dict)
+    # a challenge family's settings that the held-out (eval) split's games take instead of ``settings``:
+    # tw_cooking's ``split: valid`` gives them foods and preparations its training games (``split:
+    # train``) never have. TextWorldExpress games need none: textrl's splits play its train and dev folds
+    eval_settings: Dict[str, Any] = field(default_factory=dict)
     num_envs: int = 16  # parallel training environments (one episode each per iteration)
     # each training game is played this many times per iteration (num_envs / group_size games, each
     # sampled group_size times): the groups that ppo.advantage=grpo|rloo|gigpo compare episodes within

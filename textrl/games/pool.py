@@ -85,7 +85,8 @@ def challenge_settings(game: str, settings: Mapping[str, Any]) -> dict[str, Any]
 class GameSpec:
     """How the games of one setting are made from a seed: TextWorld's generator with rooms, objects,
     quest length and theme (``game="textworld"``), or one of TextWorld's challenge families with its
-    complete settings. ``max_steps`` is the episode step limit."""
+    complete settings (``eval_settings``: those the eval split's games take instead, where they
+    differ). ``max_steps`` is the episode step limit."""
 
     name: str
     max_steps: int
@@ -95,6 +96,7 @@ class GameSpec:
     quest_length: int | None = None
     theme: str | None = None
     settings: tuple[tuple[str, Any], ...] = ()  # a challenge family's settings, defaults filled in
+    eval_settings: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_env(cls, env: EnvConfig) -> GameSpec:
@@ -102,6 +104,11 @@ class GameSpec:
         if env.game not in GAMES:
             raise ConfigError(f"env.game={env.game!r} is not allowed: one of {list(GAMES)}")
         generator = {key: getattr(env, key) for key in _GENERATOR_KEYS}
+        if env.eval_settings and env.game not in CHALLENGES:
+            why = ("its train and eval splits already play TextWorldExpress's train and dev folds" if env.game in EXPRESS
+                   else "the generator takes no settings")
+            raise ConfigError(f"env.eval_settings={dict(env.eval_settings)} is not allowed with env.game={env.game}: "
+                              f"{why}; it is for TextWorld's challenge families {list(CHALLENGES)}")
         if env.game == "textworld":
             for key in _GENERATOR_KEYS[:3]:
                 if not isinstance(generator[key], int) or generator[key] < 1:
@@ -120,8 +127,10 @@ class GameSpec:
             settings = dict(env.settings)
             express.check_params(env.game.removeprefix("twx-"), settings)
             return cls(env.name, env.max_steps, env.game, settings=tuple(sorted(settings.items())))
-        return cls(env.name, env.max_steps, env.game,
-                   settings=tuple(sorted(challenge_settings(env.game, env.settings).items())))
+        settings = challenge_settings(env.game, env.settings)
+        evaluated = challenge_settings(env.game, {**env.settings, **env.eval_settings})
+        return cls(env.name, env.max_steps, env.game, settings=tuple(sorted(settings.items())),
+                   eval_settings=tuple(sorted((k, v) for k, v in evaluated.items() if settings[k] != v)))
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -137,6 +146,8 @@ class GameSpec:
             return "-".join([self.game, *(f"{k}{v}" for k, v in self.settings), f"twx{TWX_VERSION}"])
         else:
             what = "-".join(k if v is True else f"{k}{v}" for k, v in self.settings if v is not False and v is not None)
+            if self.eval_settings:  # the eval split's games differ: a cache of their own
+                what += "-eval-" + "-".join(f"{k}{v}" for k, v in self.eval_settings)
         return f"{self.game}-{what}-tw{textworld.__version__}"
 
 
@@ -246,7 +257,10 @@ def _make_game(spec: GameSpec, seed: int, folder: Path, express_seed: int | None
                 options.quest_length, options.theme = spec.quest_length, spec.theme
                 game = make_game(options)
             else:
-                game = REGISTERED[spec.game][1](dict(spec.settings), options)
+                settings = dict(spec.settings)
+                if seed >= EVAL_SEED_BASE:
+                    settings.update(spec.eval_settings)
+                game = REGISTERED[spec.game][1](settings, options)
             compile_game(game, options)
         return None
     except OSError:

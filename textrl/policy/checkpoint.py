@@ -122,10 +122,12 @@ def _model_of(stored: dict, saved: ModelConfig, model_path: str | Path | None, o
 
 def _check_plain_names(cfg: TrainConfig, origin: str) -> None:
     """The game cache folder (``textrl.games.pool.GameSpec.key``) and textrl-eval's output folder
-    are named after the env's name, game, theme and settings: from a checkpoint, no path in them."""
+    are named after the env's name, game, theme and settings (eval_settings too): from a checkpoint, no
+    path in them."""
     e = cfg.env
     named = [("env.name", e.name), ("env.game", e.game), ("env.theme", e.theme),
-             *((f"env.settings.{k}", k) for k in e.settings), *((f"env.settings.{k}", v) for k, v in e.settings.items()),
+             *((f"env.{group}.{k}", text) for group in ("settings", "eval_settings")
+               for k, v in getattr(e, group).items() for text in (k, v)),
              *(("curriculum.stages", stage) for stage in cfg.curriculum.stages)]
     for key, value in named:
         text = str(value)
