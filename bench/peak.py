@@ -4,6 +4,10 @@
     python bench/peak.py threads=2                # Hydra overrides of train.py (threads, model)
     python bench/peak.py --sizes 64 --rows 8 --repeats 1 --out /tmp/peak.json    # a smoke run (seconds)
 
+On a CPU without native bf16 (AVX2 only, where bf16 is emulated at about a tenth of fp32's rate) the
+default sizes take more than 15 minutes, most of it the 4096 squares in bf16: ``--sizes 1024`` is
+about a minute.
+
 At the torch thread count a run of ``python train.py <overrides>`` uses (its ``threads`` setting, else
 torch's default), every product below is timed ``--repeats`` times after one warm-up call (a timed
 round repeats a small product until it lasts 20 ms), and its best round kept:
