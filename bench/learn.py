@@ -9,7 +9,8 @@ Each configuration writes ``bench/results/learn_<tag>_<config>.json`` after ever
 file is still a result: it lists the seeds it has); a later invocation with other seeds and the same
 overrides adds its seeds to the file (each run keeps its command, commit, threads and minutes). A run is ``python train.py <config overrides>
 <extra overrides> seed=S hydra.run.dir=<runs>/<tag>/<config>/seed<S>`` in a subprocess, exactly what
-a user types, so ``textrl-report <runs>/<tag>`` groups the runs by configuration (Hydra's
+a user types (its stdout and stderr in the run's ``console.log``, beside Hydra's ``train.log``), so
+``textrl-report <runs>/<tag>`` groups the runs by configuration (Hydra's
 overrides) and plots their curves with bands. Games and the converted model are prepared before
 the clock starts; ``minutes`` is the subprocess's wall time (model loading included).
 
@@ -310,7 +311,9 @@ def main(argv=None):
                 shutil.rmtree(run_dir)
             run_dir.mkdir(parents=True)
             start, started = time.perf_counter(), time.time()  # the file times of its transcripts count from `started`
-            with open(run_dir / "train.log", "w") as log:
+            # console.log, not train.log: that is Hydra's log file of the run, which its own handler
+            # appends to while this handle writes at its own offset (lines overwrote each other)
+            with open(run_dir / "console.log", "w") as log:
                 subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
             minutes = (time.perf_counter() - start) / 60
             mine.append({"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
