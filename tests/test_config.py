@@ -124,6 +124,7 @@ def test_every_option_of_every_group_composes(group):
     ("ppo.gamma=1.5", "ppo.gamma=1.5 is not allowed: a number in (0, 1]"),
     ("ppo.temperature_min=2.0", "ppo.temperature_min=2.0 is not allowed"),
     ("ppo.target_kl=-0.5", "ppo.target_kl=-0.5 is not allowed: a number > 0, or null"),
+    ("env.keep_answers=['read cookbook']", "env.keep_answers=['read cookbook'] is not allowed: a list of single words"),
 ])
 def test_bad_values_fail_naming_key_value_and_rule(override, message):
     with pytest.raises(ConfigError) as err:
@@ -146,3 +147,15 @@ def test_the_cli_prints_one_clear_line_for_a_bad_value(tmp_path):
     assert out.returncode != 0
     assert "error: ppo.lr_lm=-1.0 is not allowed: a number > 0" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_other_games_are_shown_with_the_prompt_the_policy_was_trained_with():
+    """textrl-eval --env, textrl-play, textrl-attention and curriculum stages play their games with
+    the policy's prompt settings, the answers it kept in view (env.keep_answers) included."""
+    from dataclasses import replace
+
+    from textrl.config import load_env_config
+
+    policy = replace(load_env_config("twx_cookingworld"), keep_answers=["read"], goal_last=False, history_len=3)
+    shown = load_env_config("easy").with_prompt_of(policy)
+    assert (shown.name, shown.keep_answers, shown.goal_last, shown.history_len) == ("easy", ["read"], False, 3)

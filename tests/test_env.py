@@ -1,6 +1,6 @@
 import pytest
 
-from textrl.games.env import GameFileError, InvalidCommandError, TextGame
+from textrl.games.env import GameFileError, InvalidCommandError, TextGame, drop_oldest, kept_answers
 from textrl.config import load_env_config
 from textrl.games.pool import GamePool
 
@@ -59,6 +59,28 @@ def test_full_history_drops_its_oldest_half_at_once(easy_games):
         lengths.append(len(env.history))
     assert lengths == [1, 2, 3, 4, 3, 4, 3]
     assert [t.command for t in env.history] == ["look", "inventory", "look"]  # the newest turns stay
+
+
+def test_a_history_cut_keeps_each_commands_latest_answer(easy_games):
+    env = TextGame(easy_games[1], max_steps=12, history_len=4, keep_answers=["inventory"])
+    env.reset()
+    shown = []  # the commands the history's observations answer, after each step
+    for command in ["inventory", "look", "look", "look", "look", "inventory", "look", "look"]:
+        env.step(command)
+        shown.append([t.answer_to for t in env.history])
+    assert shown[3] == ["", "inventory", "look", "look"]
+    # the fifth turn overflows: two turns go, the oldest ones but the inventory's answer
+    assert shown[4] == ["inventory", "look", "look"]
+    assert shown[5] == ["inventory", "look", "look", "look"]
+    # a newer answer to "inventory" arrives: the older one is cut like any other turn
+    assert shown[6] == ["look", "look", "inventory"]
+    assert shown[7] == ["look", "look", "inventory", "look"]
+    assert kept_answers(env.history, ["inventory"]) == {2} and kept_answers(env.history, ["read"]) == set()
+    history = list(env.history)
+    drop_oldest(history, 3, ["inventory"])
+    assert history == [env.history[2]]
+    drop_oldest(history, 1, ["inventory"])  # nothing else left: the kept turn goes too
+    assert history == []
 
 
 def test_feedback_is_cleaned_of_prompt_and_status_lines(easy_games):

@@ -234,3 +234,26 @@ def test_the_opening_observation_is_shown(option, shown, tiny):
     assert shown in observation_text(obs)
     prompts = PromptBuilder.for_env(tiny[1], env, max_prompt_tokens=4096)
     assert shown in tiny[1].decode(prompts.build(obs, game.history))
+
+
+@needs_java
+@pytest.mark.parametrize("keep", [["read"], []])
+def test_keep_answers_keeps_the_recipe_in_the_prompt_after_the_history_is_cut(keep, tiny):
+    """CookingWorld's recipe is the answer to `read cookbook`, the third command: eight steps on, a
+    history of 4 turns has been cut twice. With env.keep_answers=[read] the recipe is still in the
+    prompt the policy decides from; without it, it is gone."""
+    from textrl.games.prompt import PromptBuilder
+
+    env, (path,) = games_of("twx_cookingworld", history_len=4, keep_answers=keep)
+    game = open_game(path, env)
+    game.reset()
+    walkthrough = game.walkthrough
+    read = walkthrough.index("read cookbook")
+    recipe = None
+    for command in walkthrough[: read + 9]:
+        game.step(command)
+        recipe = recipe or (game.observation.feedback if command == "read cookbook" else None)
+    assert recipe and "Ingredients:" in recipe and len(game.history) <= env.history_len
+    prompt = PromptBuilder.for_env(tiny[1], env).build(game.observation, game.history)
+    assert (recipe in tiny[1].decode(prompt)) == bool(keep)
+    game.close()

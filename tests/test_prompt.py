@@ -49,6 +49,17 @@ def test_oldest_history_is_dropped_first_a_block_at_a_time(prompts, easy_games):
         PromptBuilder(prompts.tokenizer, max_prompt_tokens=len(alone) - 1).build(obs, [])
 
 
+def test_a_budget_cut_passes_over_the_kept_answer(prompts, easy_games):
+    """env.keep_answers=[inventory]: the turn showing the inventory's answer outlives older turns."""
+    env, snaps = play_some(easy_games[0], commands=["look", "inventory"] + ["look"] * 6)
+    obs, history = snaps[-1]
+    assert history[2].answer_to == "inventory" and len(history) == 8
+    full = prompts.build(obs, history)
+    small = PromptBuilder(prompts.tokenizer, max_prompt_tokens=len(full) - 1, keep_answers=["inventory"])
+    # the block of 4 oldest turns, less the kept one, and the next turn in its place
+    assert small.build(obs, history) == prompts.build(obs, [history[2]] + history[5:])
+
+
 def test_over_budget_prompts_restart_once_per_block_not_every_turn(prompts, easy_games):
     env = TextGame(easy_games[0], max_steps=14, history_len=100)
     env.reset()

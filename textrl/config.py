@@ -105,6 +105,11 @@ class EnvConfig:
     # shows only in its feedback (Simon Says, Arithmetic), a right command can be a repeat. 0: off
     repeat_penalty: float = 0.0
     history_len: int = 8  # past turns kept by the environment
+    # verbs whose latest answer stays in the prompt when the history is cut (history_len,
+    # max_prompt_tokens): with [read], the turn showing the recipe that `read cookbook` answered is
+    # kept, while older turns around it are dropped. Each distinct command keeps only its latest
+    # answer. []: every turn is cut oldest first
+    keep_answers: list[str] = field(default_factory=list)
     # oldest turns are dropped beyond this (four at a time); 8 turns of long easy room descriptions
     # reach ~1050 tokens
     max_prompt_tokens: int = 1536
@@ -151,7 +156,8 @@ class EnvConfig:
         settings (and how its rollouts cut history from the KV cache), this setting's games, step
         limit, rewards and prompt budget."""
         return replace(self, list_commands=policy_env.list_commands, goal_last=policy_env.goal_last,
-                       history_len=policy_env.history_len, drop_turns_from_cache=policy_env.drop_turns_from_cache)
+                       history_len=policy_env.history_len, drop_turns_from_cache=policy_env.drop_turns_from_cache,
+                       keep_answers=policy_env.keep_answers)
 
 
 ADVANTAGES = {"gae", "grpo", "rloo", "gigpo"}  # ppo.advantage: textrl/ppo/advantages.py
@@ -385,6 +391,9 @@ def _check_env(e: EnvConfig) -> None:
     _check("env.decode_groups", e.decode_groups, e.decode_groups is None or 1 <= e.decode_groups <= e.num_envs,
            f"an integer in [1, env.num_envs={e.num_envs}], or null (4 on a CPU, 1 on a GPU)")
     _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= 128, "an integer >= 128")
+    _check("env.keep_answers", list(e.keep_answers), all(isinstance(v, str) and v and v.split() == [v]
+                                                        for v in e.keep_answers),
+           "a list of single words, the verbs of commands (e.g. [read])")
     _check("env.step_timeout", e.step_timeout, math.isfinite(e.step_timeout) and e.step_timeout > 0,
            "a number of seconds > 0")
     _check("env.max_aborted", e.max_aborted, 0 <= e.max_aborted < 1, "a share in [0, 1)")

@@ -35,6 +35,7 @@ import time
 import traceback
 import warnings
 from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +102,28 @@ class Turn:
 
     observation: Observation
     command: str
+    answer_to: str = ""  # the command whose answer the observation is ("" on an episode's first turn)
+
+
+def kept_answers(history: Sequence[Turn], verbs: Sequence[str]) -> set[int]:
+    """The turns a history cut keeps (``env.keep_answers``): for each command whose first word is one
+    of ``verbs``, the latest turn whose observation answers it (a recipe read, a map read). The answer
+    is shown on the turn after the command, so that is the turn kept; an older answer to the same
+    command gives way to the newer one, which bounds the kept turns by the game's distinct commands."""
+    latest: dict[str, int] = {}
+    for i, turn in enumerate(history):
+        if turn.answer_to and turn.answer_to.split(" ", 1)[0] in verbs:
+            latest[turn.answer_to] = i
+    return set(latest.values())
+
+
+def drop_oldest(history: list[Turn], count: int, verbs: Sequence[str] = ()) -> None:
+    """Delete ``count`` turns from ``history`` in place, the oldest first, passing over the turns
+    ``kept_answers`` keeps; those go last (oldest first) when nothing else is left to drop."""
+    kept = kept_answers(history, verbs)
+    order = [i for i in range(len(history)) if i not in kept] + sorted(kept)
+    gone = set(order[:count])
+    history[:] = [turn for i, turn in enumerate(history) if i not in gone]
 
 
 @dataclass
@@ -197,7 +220,8 @@ class Game:
     is a subclass's ``_start`` / ``_reset`` / ``_step`` / ``close``.
 
     The history holds at most ``history_len`` turns. When it would exceed that, the oldest half is
-    dropped at once rather than one turn per step: the prompt then keeps extending the previous one
+    dropped at once rather than one turn per step (passing over the answers ``keep_answers`` keeps,
+    ``drop_oldest``): the prompt then keeps extending the previous one
     for ``history_len // 2`` turns (with ``env.drop_turns_from_cache`` the decoder drops the cut turns
     from its KV cache and feeds only the new tokens, ``textrl.policy.stream``), and fewer cuts keep
     more turns in view on average.
@@ -207,7 +231,8 @@ class Game:
 
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
                  win_bonus: float = 1.0, history_len: int = 8, loss_penalty: float = 1.0, *,
-                 step_timeout: float | None = None, shaping: float = 0.0, repeat_penalty: float = 0.0):
+                 step_timeout: float | None = None, shaping: float = 0.0, repeat_penalty: float = 0.0,
+                 keep_answers: Sequence[str] = ()):
         game_file = Path(game_file)
         check_game_file(game_file)
         if max_steps < 1:
@@ -220,6 +245,7 @@ class Game:
         self.win_bonus = win_bonus
         self.loss_penalty = loss_penalty
         self.history_len = history_len
+        self.keep_answers = tuple(keep_answers)  # verbs whose latest answer a history cut keeps (drop_oldest)
         self.step_timeout = step_timeout  # seconds an engine call may take (None: unbounded)
         self.shaping = shaping  # reward per action of progress on the winning path (TextWorld only)
         self.repeat_penalty = repeat_penalty  # subtracted on a repeated (state, command) in the episode
@@ -227,6 +253,7 @@ class Game:
         self.fault: GameFault | None = None  # the engine's last fault: it is not reused
         self._start_distance: int | None = None  # the episode's first steps_to_win (shaping)
         self.history: list[Turn] = []
+        self._answer_to = ""
         self.observation: Observation | None = None
         self.steps = 0
         self.walkthrough: list[str] = []  # the game's own winning commands (TextWorld's walkthrough, TWX's gold path)
@@ -236,7 +263,8 @@ class Game:
     def for_env(cls, game_file: str | Path, env) -> Game:
         """The game with an EnvConfig's step limit, rewards, history length and step timeout."""
         return cls(game_file, env.max_steps, env.step_penalty, env.win_bonus, env.history_len, env.loss_penalty,
-                   step_timeout=env.step_timeout, shaping=env.shaping, repeat_penalty=env.repeat_penalty)
+                   step_timeout=env.step_timeout, shaping=env.shaping, repeat_penalty=env.repeat_penalty,
+                   keep_answers=env.keep_answers)
 
     # ---- the engine ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -280,6 +308,7 @@ class Game:
         self.observation, walkthrough = self._call("reset", self._reset)
         self.walkthrough = list(walkthrough)
         self.history.clear()
+        self._answer_to = ""  # the last command played: the next turn's observation answers it
         self._played.clear()
         self.steps = 0
         self._start_distance = self.observation.steps_to_win  # shaping's distance where the path is lost
@@ -299,9 +328,10 @@ class Game:
         repeated = played in self._played
         self._played.add(played)
         self.steps += 1
-        self.history.append(Turn(obs, command))
+        self.history.append(Turn(obs, command, self._answer_to))
+        self._answer_to = command
         if len(self.history) > self.history_len:
-            del self.history[: max(1, self.history_len // 2)]
+            drop_oldest(self.history, max(1, self.history_len // 2), self.keep_answers)
         self.observation = new
         reward = ((new.score - obs.score) + (self.win_bonus if new.won else 0.0)
                   - (self._lost_cost() if new.lost else 0.0) - self.step_penalty + self._shaped(obs, new)

@@ -9,7 +9,8 @@ and the prompt of turn t+1 extends the prompt of turn t plus its command: the de
 cache of that shared prefix. When the prompt exceeds ``max_prompt_tokens`` the oldest turns are
 dropped first, ``DROP_BLOCK`` turns at a time, so that the next few prompts extend this one again
 (the decoder drops cut turns from its cache either way, ``textrl.policy.stream``; a block keeps
-cuts rare); the system message (with the objective) and the current observation always stay.
+cuts rare), passing over the answers ``env.keep_answers`` keeps (``drop_oldest``); the system
+message (with the objective) and the current observation always stay.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from textrl.errors import ConfigError
-from textrl.games.env import Observation, Turn
+from textrl.games.env import Observation, Turn, drop_oldest
 from textrl.policy.trie import CommandTrie
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,10 @@ def observation_text(obs: Observation, list_commands: bool = False, goal_last: b
 class PromptBuilder:
     DROP_BLOCK = 4  # turns dropped at once when over max_prompt_tokens
 
-    def __init__(self, tokenizer, max_prompt_tokens: int = 1024, list_commands: bool = False, goal_last: bool = False):
+    def __init__(self, tokenizer, max_prompt_tokens: int = 1024, list_commands: bool = False, goal_last: bool = False,
+                 keep_answers: Sequence[str] = ()):
         self.tokenizer = tokenizer
+        self.keep_answers = tuple(keep_answers)  # cuts pass over these verbs' latest answers, as Game's do
         self.max_prompt_tokens = max_prompt_tokens
         self.list_commands = list_commands
         # the objective again at the end of every observation, right before the command is chosen:
@@ -104,7 +107,8 @@ class PromptBuilder:
     @classmethod
     def for_env(cls, tokenizer, env, max_prompt_tokens: int | None = None) -> "PromptBuilder":
         """The prompt builder of an ``env`` config (``textrl.config.EnvConfig``)."""
-        return cls(tokenizer, max_prompt_tokens or env.max_prompt_tokens, env.list_commands, env.goal_last)
+        return cls(tokenizer, max_prompt_tokens or env.max_prompt_tokens, env.list_commands, env.goal_last,
+                   env.keep_answers)
 
     def encode_command(self, command: str) -> list[int]:
         """Command token ids without the end token (the trie adds it)."""
@@ -157,4 +161,4 @@ class PromptBuilder:
                 raise PromptTooLongError(
                     f"the prompt for the current observation alone is {len(ids)} tokens, over "
                     f"max_prompt_tokens={self.max_prompt_tokens}; raise env.max_prompt_tokens")
-            del history[: self.DROP_BLOCK]  # oldest turns first
+            drop_oldest(history, self.DROP_BLOCK, self.keep_answers)  # oldest turns first
