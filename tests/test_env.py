@@ -77,9 +77,9 @@ def test_a_history_cut_keeps_each_commands_latest_answer(easy_games):
     assert shown[7] == ["look", "look", "inventory", "look"]
     assert kept_answers(env.history, ["inventory"]) == {2} and kept_answers(env.history, ["read"]) == set()
     history = list(env.history)
-    drop_oldest(history, 3, ["inventory"])
+    drop_oldest(history, 4, ["inventory"])  # a block of 4 takes the 3 others only
     assert history == [env.history[2]]
-    drop_oldest(history, 1, ["inventory"])  # nothing else left: the kept turn goes too
+    drop_oldest(history, 4, ["inventory"])  # nothing else left: the kept turn goes too
     assert history == []
 
 

@@ -63,13 +63,16 @@ def rollout(cfg, games, iteration=0):
     return module.update, module.update.prepare(episodes, iteration)
 
 
-@pytest.mark.parametrize("history", [8, 2], ids=["whole-history", "cut-history"])
-def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool, history):
+@pytest.mark.parametrize("history, keep", [(8, ""), (2, ""), (3, "look,inventory,examine,go,open,take")],
+                         ids=["whole-history", "cut-history", "cut-keeping-answers"])
+def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool, history, keep):
     """history 2: from the third turn on every prompt cuts the oldest turn, which the decoder drops
-    from its cache (textrl.policy.stream): the update's forward over the stream must hide it too."""
-    update, data = rollout(config(tmp_path, f"env.history_len={history}", "env.drop_turns_from_cache=true"),
-                           easy_pool.games("train", 4))
-    assert any(s.drops for s in data.sequences) == (history == 2)
+    from its cache (textrl.policy.stream): the update's forward over the stream must hide it too.
+    Keeping answers (env.keep_answers), a cut can pass over a middle turn: two stretches go, which the
+    decoder does not drop from its cache; the row starts again from position 0, a new sequence."""
+    update, data = rollout(config(tmp_path, f"env.history_len={history}", "env.drop_turns_from_cache=true",
+                                  f"env.keep_answers=[{keep}]"), easy_pool.games("train", 4))
+    assert any(s.drops for s in data.sequences) == (history < 8)
     first = sorted(data.sequences, key=lambda s: -len(s.drops))[:2]
     with torch.no_grad():
         terms, _ = update.loss(first, data, 1.0)

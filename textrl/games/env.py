@@ -118,11 +118,13 @@ def kept_answers(history: Sequence[Turn], verbs: Sequence[str]) -> set[int]:
 
 
 def drop_oldest(history: list[Turn], count: int, verbs: Sequence[str] = ()) -> None:
-    """Delete ``count`` turns from ``history`` in place, the oldest first, passing over the turns
-    ``kept_answers`` keeps; those go last (oldest first) when nothing else is left to drop."""
+    """Delete up to ``count`` turns from ``history`` in place, the oldest first, passing over the
+    turns ``kept_answers`` keeps: while any other turn is left, only those go (fewer than ``count``
+    where fewer are left); when only kept turns are left, they go, oldest first. At least one turn
+    goes from a history that has one, so a caller's loop ends."""
     kept = kept_answers(history, verbs)
-    order = [i for i in range(len(history)) if i not in kept] + sorted(kept)
-    gone = set(order[:count])
+    others = [i for i in range(len(history)) if i not in kept]
+    gone = set((others or sorted(kept))[:count])
     history[:] = [turn for i, turn in enumerate(history) if i not in gone]
 
 
@@ -221,7 +223,8 @@ class Game:
 
     The history holds at most ``history_len`` turns. When it would exceed that, the oldest half is
     dropped at once rather than one turn per step (passing over the answers ``keep_answers`` keeps,
-    ``drop_oldest``): the prompt then keeps extending the previous one
+    ``drop_oldest``; a cut on both sides of a kept turn takes two stretches, which the decoder does
+    not drop from its cache: the row starts again from position 0): the prompt then keeps extending the previous one
     for ``history_len // 2`` turns (with ``env.drop_turns_from_cache`` the decoder drops the cut turns
     from its KV cache and feeds only the new tokens, ``textrl.policy.stream``), and fewer cuts keep
     more turns in view on average.

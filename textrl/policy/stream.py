@@ -3,7 +3,9 @@
 When an episode's history is cut (``Game.step`` keeps half of ``env.history_len`` turns;
 ``PromptBuilder`` drops the oldest turns over ``env.max_prompt_tokens``), the next prompt is the
 one the row holds less a stretch in its middle (the oldest turns after the system message), plus
-the new observation. Fed again from position 0, a cut costs the whole prompt: on medium games
+the new observation (a cut on both sides of a turn ``env.keep_answers`` keeps takes two stretches:
+``find_cut`` finds no single one, and that row starts again from position 0). Fed again from
+position 0, a cut costs the whole prompt: on medium games
 (32 steps, a cut every 4 turns) that was most of a rollout's tokens and of the update's. Instead
 the decoder drops the cut turns' keys and values from the row's cache (``RaggedCache.drop``) and
 feeds only the new tokens, at the positions after the row's last one. The row then holds exactly
