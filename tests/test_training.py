@@ -194,6 +194,9 @@ def test_bad_checkpoint_fails_before_training(tmp_path):
     broken.write_bytes(b"\x80\x04truncated")
     with pytest.raises(cli.CheckpointError, match="not a readable checkpoint"):
         cli.train(config(tmp_path, f"ckpt_path={broken}"))
+    # a missing file names the checkpoints beside it (a warm-start-only run writes no last.ckpt)
+    with pytest.raises(cli.CheckpointError, match=r"last.ckpt does not exist.*holds: broken.ckpt\)"):
+        cli.train(config(tmp_path, f"ckpt_path={tmp_path / 'last.ckpt'}"))
 
 
 class Payload:

@@ -41,7 +41,10 @@ def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, 
     """
     ckpt = Path(path).expanduser()
     if not ckpt.is_file():
-        raise CheckpointError(f"{option}={path} does not exist; pass a file such as <run>/checkpoints/last.ckpt")
+        # the checkpoints next to it, if any: a warm-start-only run (iterations=0) writes warm_start.ckpt, no last.ckpt
+        there = sorted(p.name for p in ckpt.parent.glob("*.ckpt")) if ckpt.parent.is_dir() else []
+        raise CheckpointError(f"{option}={path} does not exist; pass a file such as <run>/checkpoints/last.ckpt"
+                              + (f" ({ckpt.parent} holds: {', '.join(there)})" if there else ""))
     try:
         state = load(ckpt)
     except pickle.UnpicklingError as exc:
