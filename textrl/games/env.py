@@ -34,8 +34,8 @@ import threading
 import time
 import traceback
 import warnings
-from contextlib import contextmanager
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -224,8 +224,8 @@ class Game:
     The history holds at most ``history_len`` turns. When it would exceed that, the oldest half is
     dropped at once rather than one turn per step (passing over the answers ``keep_answers`` keeps,
     ``drop_oldest``; a cut on both sides of a kept turn takes two stretches, which the decoder does
-    not drop from its cache: the row starts again from position 0): the prompt then keeps extending the previous one
-    for ``history_len // 2`` turns (with ``env.drop_turns_from_cache`` the decoder drops the cut turns
+    not drop from its cache: the row starts again from position 0): the prompt then keeps
+    extending the previous one for ``history_len // 2`` turns (with ``env.drop_turns_from_cache`` the decoder drops the cut turns
     from its KV cache and feeds only the new tokens, ``textrl.policy.stream``), and fewer cuts keep
     more turns in view on average.
     """
