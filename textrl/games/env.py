@@ -225,9 +225,9 @@ class Game:
     dropped at once rather than one turn per step (passing over the answers ``keep_answers`` keeps,
     ``drop_oldest``; a cut on both sides of a kept turn takes two stretches, which the decoder does
     not drop from its cache: the row starts again from position 0): the prompt then keeps
-    extending the previous one for ``history_len // 2`` turns (with ``env.drop_turns_from_cache`` the decoder drops the cut turns
-    from its KV cache and feeds only the new tokens, ``textrl.policy.stream``), and fewer cuts keep
-    more turns in view on average.
+    extending the previous one for ``history_len // 2`` turns (with ``env.drop_turns_from_cache``
+    the decoder drops the cut turns from its KV cache and feeds only the new tokens,
+    ``textrl.policy.stream``), and fewer cuts keep more turns in view on average.
     """
 
     interrupt_late_calls = True  # a call still running at step_timeout is interrupted (``_deadline``)
