@@ -1,6 +1,7 @@
-"""The figures bench/learn.py, bench/iteration.py and bench/families.py compute, on synthetic inputs
-(no training): minutes to a held-out win rate, the model FLOPs of a forward and a backward, and
-whether a game family counts as learned."""
+"""The figures bench/learn.py, bench/iteration.py, bench/families.py and bench/value_fit.py compute,
+on synthetic inputs (no training): minutes to a held-out win rate, the model FLOPs of a forward and
+a backward, whether a game family counts as learned, and how much of the next rollout's returns a
+predictor fitted on one rollout explains."""
 
 import json
 import os
@@ -16,7 +17,8 @@ import families  # noqa: E402
 import textrl.ppo.update as update_module  # noqa: E402
 from iteration import Counts, ModelFlops, blocks_of  # noqa: E402
 from learn import eval_minutes, from_stored, minutes_to, reached, wall_eval_minutes  # noqa: E402
-from textrl.config import load_model_config  # noqa: E402
+from textrl.config import TrainConfig, load_model_config  # noqa: E402
+from value_fit import by_turn, fit_head, ridge  # noqa: E402
 from textrl.policy.decoding import ConstrainedDecoder  # noqa: E402
 from textrl.policy.model import build_policy  # noqa: E402
 from textrl.policy.trie import CommandTrie  # noqa: E402
@@ -208,3 +210,31 @@ def test_the_trained_row_is_taken_from_the_runs_final_evaluation_when_it_played_
     other = tmp_path / "families" / "tw_coin" / "trained"
     (run / "evaluation" / "iter_0012.json").write_text(json.dumps(_policy(0.5, 0.0, 1.0, 9.0, {}, 32)))
     assert not families.from_training(train, other) and not other.exists()  # 32 games: not the row's 64
+
+
+def _rollout(generator, n=240, dim=8, weights=None):
+    """value_fit's record of a rollout, synthetic: hidden states, turn numbers, the update's steps
+    (groups of 40 decisions), and targets read from the hidden state (``gae``) or the turn (``mc``)."""
+    hidden = torch.randn(n, dim, generator=generator)
+    turn = torch.arange(n, dtype=torch.float32) % 24
+    return {"hidden": hidden, "turn": turn, "gae": hidden @ weights, "mc": 1 + 0.3 * turn - 0.02 * turn * turn,
+            "steps": [list(range(i, min(i + 40, n))) for i in range(0, n, 40)]}
+
+
+def test_value_fit_scores_each_predictor_on_the_next_rollout():
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randn(8, generator=g)
+    fit, scored = _rollout(g, weights=weights), _rollout(g, weights=weights)
+    # a target linear in the hidden state: ridge at a small penalty explains all of the next
+    # rollout's variance, a large one shrinks to the mean (explained variance 0)
+    out = ridge(fit, scored, "gae")
+    assert out["0.01"]["test"] > 0.99 and abs(out["1000.0"]["test"]) < 0.05
+    # a target quadratic in the turn: the turn predictor is exact; the hidden state (noise here)
+    # carries nothing to the next rollout
+    assert by_turn(fit, scored, "mc")["test"] > 0.999 and by_turn(fit, scored, "gae")["test"] < 0.1
+    assert ridge(fit, scored, "mc")["1.0"]["test"] < 0.1
+    # the head as the update trains it: scored after each number of iterations' worth of steps,
+    # and learning the linear target with enough of them
+    head = fit_head(TrainConfig(), 8, fit, scored, "gae", seed=0)
+    assert list(head) == ["1", "3", "10", "30", "100"]
+    assert head["100"]["test"] > 0.8 > head["1"]["test"]
