@@ -18,7 +18,7 @@ predict iteration k+1's) -- as explained variance:
   ``ppo.lr_value`` over the update's own optimizer steps (``ppo.epochs`` passes of ``ppo.grad_accum``
   sequences, the loss ``vf_coef`` x 0.5 (V - R)^2 averaged per step, its norm clipped at
   ``ppo.max_grad_norm``) -- scored after 1, 3, 10, 30 and 100 iterations' worth of steps on the
-  same rollout (a upper bound on what more steps per iteration would buy);
+  same rollout (an upper bound on what more steps per iteration would buy);
 * ``ridge``: closed-form ridge regression on the standardised hidden states, for a range of
   penalties (the best is chosen on the scored rollout: an optimistic bound for a linear read-out);
 * ``turn``: a quadratic in the turn number alone (what the step count says, without the text).

@@ -1,7 +1,8 @@
-"""The figures bench/learn.py, bench/iteration.py, bench/families.py and bench/value_fit.py compute,
-on synthetic inputs (no training): minutes to a held-out win rate, the model FLOPs of a forward and
-a backward, whether a game family counts as learned, and how much of the next rollout's returns a
-predictor fitted on one rollout explains."""
+"""The figures bench/learn.py, bench/iteration.py, bench/families.py, bench/value_fit.py and
+bench/food_split.py compute, on synthetic inputs (no training): minutes to a held-out win rate, the
+model FLOPs of a forward and a backward, whether a game family counts as learned, how much of the
+next rollout's returns a predictor fitted on one rollout explains, and what training showed of a
+held-out recipe."""
 
 import json
 import os
@@ -18,6 +19,7 @@ import textrl.ppo.update as update_module  # noqa: E402
 from iteration import Counts, ModelFlops, blocks_of  # noqa: E402
 from learn import eval_minutes, from_stored, minutes_to, reached, wall_eval_minutes  # noqa: E402
 from textrl.config import TrainConfig, load_model_config  # noqa: E402
+from food_split import group_of  # noqa: E402
 from value_fit import by_turn, fit_head, ridge  # noqa: E402
 from textrl.policy.decoding import ConstrainedDecoder  # noqa: E402
 from textrl.policy.model import build_policy  # noqa: E402
@@ -238,3 +240,13 @@ def test_value_fit_scores_each_predictor_on_the_next_rollout():
     head = fit_head(TrainConfig(), 8, fit, scored, "gae", seed=0)
     assert list(head) == ["1", "3", "10", "30", "100"]
     assert head["100"]["test"] > 0.8 > head["1"]["test"]
+
+
+def test_food_split_groups_a_recipe_by_what_training_showed():
+    foods, prepared = {"carrot", "water"}, {("carrot", "raw", "sliced"), ("water", "raw", "uncut")}
+    assert group_of([("red hot pepper", "roasted", "diced")], foods, prepared) == "unseen food"
+    assert group_of([("carrot", "fried", "diced")], foods, prepared) == "seen food, unseen preparation"
+    assert group_of([("water", "raw", "uncut")], foods, prepared) == "seen food and preparation"
+    # one new food beside a seen one is not a recipe of new foods
+    assert group_of([("carrot", "fried", "diced"), ("pepper", "raw", "uncut")], foods, prepared) \
+        == "seen food, unseen preparation"
