@@ -23,6 +23,9 @@ predict iteration k+1's) -- as explained variance:
   penalties (the best is chosen on the scored rollout: an optimistic bound for a linear read-out);
 * ``turn``: a quadratic in the turn number alone (what the step count says, without the text).
 
+It runs in fp32 only (it plays without a Trainer, whose precision plugin would autocast): add
+``memory=none`` where ``memory=auto`` chooses bf16.
+
     python bench/value_fit.py                                   # medium, RL alone, untrained policy
     python bench/value_fit.py --out bench/results/value_fit_cookingworld.json -- experiment=twx_cookingworld_cpu
 """
@@ -42,10 +45,10 @@ from textrl.policy.model import ValueHead, build_policy
 from textrl.ppo.advantages import rollout_advantages
 from textrl.ppo.losses import explained_variance
 from textrl.ppo.sequences import decision_forward
+from textrl.ppo.update import explore_at
+from textrl.rollout import Sampling, episode_seeds, play_games
 from textrl.training.datamodule import RolloutDataModule
 from textrl.training.module import PPOModule, temperature_at
-from textrl.rollout import Sampling, episode_seeds, play_games
-from textrl.ppo.update import explore_at
 
 ITERATIONS_WORTH = (1, 3, 10, 30, 100)
 RIDGE = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
@@ -73,7 +76,7 @@ def record(module: PPOModule, curriculum, cfg, iteration: int) -> dict:
     seen = {}
     hook = policy.value_head.register_forward_pre_hook(lambda m, args: seen.__setitem__("h", args[0]))
     try:
-        with torch.no_grad(), module._autocast():
+        with torch.no_grad():  # fp32 (main): no autocast to enter
             for s in data.sequences:
                 out = decision_forward(policy, [s], module.update.pad_id, data.prefix)
                 hidden[out.decisions.cpu()] = seen["h"].float().cpu()
@@ -140,6 +143,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     cfg = train_config(args.overrides)
+    if cfg.memory.precision != "32-true":  # it plays without a Trainer, whose precision plugin autocasts
+        raise SystemExit(f"measure in fp32 (memory=none): this script has no autocast for {cfg.memory.precision}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     datamodule = RolloutDataModule(cfg)
@@ -155,9 +160,6 @@ def main(argv=None) -> dict:
     cfg.env = fit_to_positions(cfg.env, policy.position_limit, cfg.model.name)
     datamodule.curriculum.fit_to_positions(policy.position_limit)
     module = PPOModule(cfg, policy, tokenizer)
-    if cfg.memory.precision != "32-true":
-        raise SystemExit(f"measure in fp32 (memory=none): this script plays without a Trainer, so without "
-                         f"the autocast of {cfg.memory.precision}")
 
     rollouts = []
     for it in range(args.rollouts):
