@@ -141,6 +141,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="bench/results/value_fit.json")
     ap.add_argument("overrides", nargs="*", default=["experiment=medium_rl_cpu"])
     args = ap.parse_args(argv)
+    if args.rollouts < 2:
+        ap.error(f"--rollouts {args.rollouts}: at least 2 (fit on one, score on the next)")
 
     cfg = train_config(args.overrides)
     if cfg.memory.precision != "32-true":  # it plays without a Trainer, whose precision plugin autocasts
