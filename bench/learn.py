@@ -83,6 +83,8 @@ CONFIGS = {
     "shaping": ["env.shaping=0.2"],
     # - 0.2 for a command played again from the same state in the episode (training games only)
     "repeat_penalty": ["env.repeat_penalty=0.2"],
+    # a time-aware value: a learned value per step left, the step limit an end (no bootstrap)
+    "steps_left": ["ppo.value_steps_left=true"],
 }
 
 

@@ -217,8 +217,11 @@ def play_games(player: Player, games: list[Path], env: EnvConfig,
         for decoder in player.decoders:  # training rollouts keep the frozen blocks' outputs for the update
             decoder.capture = None if sampling is None else player.capture
             decoder.drop_cut_turns = env.drop_turns_from_cache
+        # training rollouts value the states the step limit cut, unless the value head knows the
+        # steps left (ppo.value_steps_left: the limit then ends the episode, textrl.ppo.advantages)
+        bootstrap = sampling is not None and player.policy.value_head.steps_left is None
         with torch.no_grad(), player.autocast(), player.policy.frozen_linears_in_autocast_dtype():
-            episodes, stats = decode_episodes(envs, player.decoders, prompts, sampling, bootstrap=sampling is not None)
+            episodes, stats = decode_episodes(envs, player.decoders, prompts, sampling, bootstrap=bootstrap)
     finally:
         player.policy.train(was_training)
         for e in envs:

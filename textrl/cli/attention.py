@@ -40,7 +40,7 @@ from textrl.games.prompt import PromptBuilder, fit_to_positions
 from textrl.policy.checkpoint import CheckpointError, checkpoint_config, load_policy_weights, read_checkpoint
 from textrl.policy.decoding import Cursor
 from textrl.policy.device import process_device
-from textrl.policy.model import ModelNotFoundError, build_policy
+from textrl.policy.model import ModelNotFoundError, build_policy, steps_left_limit
 from textrl.policy.precision import autocast_context
 
 
@@ -93,7 +93,8 @@ def load_models(checkpoint: str, base: str | None, cache_dir: str | None = None,
     device = device if device is not None else process_device()
     _, state = read_checkpoint(checkpoint, "--checkpoint")
     cfg = checkpoint_config(state, model_path, f"--checkpoint={checkpoint}")
-    tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cache_dir, cfg.memory, device)
+    tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cache_dir, cfg.memory, device,
+                                    steps_left_limit(cfg))
     load_policy_weights(tuned, state, cfg.memory.lora, f"--checkpoint={checkpoint}")
     base_cfg = load_model_config(base) if base else cfg.model
     base_policy, base_tokenizer = build_policy(eager(base_cfg), cfg.env.step_penalty, cache_dir)

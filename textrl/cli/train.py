@@ -24,7 +24,7 @@ from textrl.games.prompt import PromptTooLongError, fit_to_positions
 from textrl.policy.checkpoint import (CheckpointError, check_same_model, frozen_fingerprint, leaves_frozen_weights_out,
                                       load_policy_weights, read_checkpoint)
 from textrl.policy.device import trainer_device
-from textrl.policy.model import ModelNotFoundError, build_policy
+from textrl.policy.model import ModelNotFoundError, build_policy, steps_left_limit
 from textrl.policy.precision import AUTO_PRECISION_ENV, resolve_auto_precision
 from textrl.training.callbacks import AtomicCheckpointIO, EvaluateLastIteration, Interrupted, StopOnSignal
 from textrl.training.datamodule import RolloutDataModule
@@ -83,7 +83,8 @@ def _build_and_fit(cfg: TrainConfig, callbacks: list[L.Callback], resume_state: 
         torch.set_num_threads(cfg.threads)
 
     device = trainer_device(cfg.trainer)
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device)
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device,
+                                     steps_left_limit(cfg))
     # memory.precision=auto on a CPU (resolve leaves it): the faster of fp32 and bf16 on this model's
     # layer shapes, measured once per machine and cached; ppo.recompute_old=null follows. Decided
     # here, before the warm start, the module and the Trainer read them; the random state is untouched.

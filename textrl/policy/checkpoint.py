@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from textrl.config import CONF_DIR, MemoryConfig, ModelConfig, TrainConfig, load_env_config, load_model_config
-from textrl.policy.model import PolicyValueModel, build_policy
+from textrl.policy.model import PolicyValueModel, build_policy, steps_left_limit
 
 
 class CheckpointError(ValueError):
@@ -223,6 +223,6 @@ def load_checkpoint_policy(path: str | Path, option: str = "checkpoint", cache_d
     _, state = read_checkpoint(path, option)
     cfg = checkpoint_config(state, model_path, f"{option}={path}")
     memory = cfg.memory if quantize else replace(cfg.memory, quantize_4bit=False)
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cache_dir, memory, device)
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cache_dir, memory, device, steps_left_limit(cfg))
     load_policy_weights(policy, state, cfg.memory.lora, f"{option}={path}")
     return policy, tokenizer, cfg

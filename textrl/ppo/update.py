@@ -70,6 +70,9 @@ class Targets:
     returns: torch.Tensor  # [decisions]
     temperatures: torch.Tensor  # [decisions]
     ref_logprobs: torch.Tensor | None = None  # [decisions, widest fork], -inf at the padding
+    # ppo.value_steps_left: each decision's steps left, which the value head's table reads (the
+    # forward's value is the state's part alone); None without
+    steps_left: torch.Tensor | None = None  # [decisions] long
 
 
 @dataclass
@@ -247,13 +250,26 @@ class PPOUpdate:
             with stats.timer.phase("reference"):
                 ref_logprobs = self.reference_logprobs(first_pass, rollout, temperatures, prefix, coefs.explore)
 
+        # a time-aware value: the rollout's and the recompute's values are the state's part; the
+        # steps-left part is added here, at the weights the iteration starts from
+        steps_left = None
+        if self.policy.value_head.steps_left is not None:
+            limit = len(self.policy.value_head.steps_left) - 1
+            if rollout.count and int(rollout.turns.max()) >= limit:
+                raise ValueError(f"a decision at step {int(rollout.turns.max())} of an episode, past the value head's "
+                                 f"{limit} steps (env.max_steps when it was built)")
+            steps_left = (limit - rollout.turns).to(self.device)
+            with torch.no_grad():
+                old_values = old_values + self.policy.value_head.of_steps_left(steps_left).float()
+
         # GAE runs over the episodes' turns on the host: the old values' one read per iteration
         host_values = old_values.cpu()
         advantages, returns = rollout_advantages(episodes, host_values, p.gamma, p.lam, estimator=p.advantage,
-                                                 normalize=p.normalize_advantages, step_weight=p.step_weight)
+                                                 normalize=p.normalize_advantages, step_weight=p.step_weight,
+                                                 limit_ends=steps_left is not None)
         stats.old_values, stats.returns = host_values, returns.float()
         advantages, returns = torch.stack([advantages, returns]).float().to(self.device)
-        targets = Targets(old_logprobs, old_values, advantages, returns, temperatures, ref_logprobs)
+        targets = Targets(old_logprobs, old_values, advantages, returns, temperatures, ref_logprobs, steps_left)
         return IterationData(rollout, steps, targets, prefix, coefs)
 
     def loss(self, minibatch: Minibatch, data: IterationData, normalizer: float) -> tuple[PPOTerms, int]:
@@ -272,9 +288,12 @@ class PPOUpdate:
         device (``out.decisions`` indexes the iteration's targets there)."""
         idx = out.decisions
         ref = targets.ref_logprobs[idx, : out.logits.shape[1]] if targets.ref_logprobs is not None else None
+        values = out.values
+        if targets.steps_left is not None:
+            values = values + self.policy.value_head.of_steps_left(targets.steps_left[idx])
         return DecisionBatch(logits=out.logits, valid=out.valid, chosen=out.chosen,
                              temperatures=targets.temperatures[idx], old_logprobs=targets.old_logprobs[idx],
-                             advantages=targets.advantages[idx], values=out.values, returns=targets.returns[idx],
+                             advantages=targets.advantages[idx], values=values, returns=targets.returns[idx],
                              ref_logprobs=ref)
 
     def forward_logprobs(self, minibatch: Minibatch, temperatures: torch.Tensor, prefix: PrefixOutputs | None,
