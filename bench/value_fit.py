@@ -147,6 +147,9 @@ def main(argv=None) -> dict:
     cfg = train_config(args.overrides)
     if cfg.memory.precision != "32-true":  # it plays without a Trainer, whose precision plugin autocasts
         raise SystemExit(f"measure in fp32 (memory=none): this script has no autocast for {cfg.memory.precision}")
+    if cfg.ppo.value_steps_left:  # its predictors read the hidden state and the turn; the update's table is neither
+        raise SystemExit("ppo.value_steps_left: this script fits its own predictors on the hidden state (the turn "
+                         "number is one of them); leave it false")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     datamodule = RolloutDataModule(cfg)

@@ -82,12 +82,25 @@ def test_an_update_adds_the_table_to_the_old_values_and_trains_it(tmp_path, easy
     assert float(moved[0]) == 0.0  # no decision has no step left
 
 
-def test_a_run_with_it_writes_and_loads_its_table(tmp_path):
-    result = cli.train(config(tmp_path, "iterations=1", "eval.every=1", "ppo.value_steps_left=true"))
+def test_a_run_with_it_writes_and_loads_its_table_and_a_run_without_it_refuses_its_weights(tmp_path):
+    result = cli.train(config(tmp_path / "first", "iterations=1", "eval.every=1", "ppo.value_steps_left=true"))
     trained = result["module"].policy.value_head.steps_left.detach()
     policy, _, cfg = load_checkpoint_policy(result["last"])
     assert cfg.ppo.value_steps_left and policy.value_head.steps_left.tolist() == pytest.approx(trained.tolist())
     assert len(trained) == cfg.env.max_steps + 1
+    # a value head of another shape is named before anything is built, by model.init_from and resume alike
+    with pytest.raises(cli.CheckpointError, match="with a value per step left of 8 steps; this run's has without"):
+        cli.train(config(tmp_path / "second", f"model.init_from={result['last']}"))
+    with pytest.raises(cli.CheckpointError, match="of 8 steps; this run's has with a value per step left of 6"):
+        cli.train(config(tmp_path / "third", "ppo.value_steps_left=true", "env.max_steps=6",
+                         f"ckpt_path={result['last']}"))
+
+
+def test_an_update_refuses_a_value_head_built_for_the_other_setting(tmp_path):
+    cfg = config(tmp_path, "ppo.value_steps_left=true")
+    plain, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
+    with pytest.raises(ValueError, match="ppo.value_steps_left=True, but the policy's value head was built without"):
+        PPOUpdate(plain, cfg.ppo, tokenizer.pad_token_id, cfg.seed)
 
 
 @pytest.mark.parametrize("overrides, named", [

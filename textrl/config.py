@@ -388,7 +388,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_curriculum(cfg.curriculum, cfg.env)
     # the head holds one learned value per step left of env.max_steps; a stage's limit may differ
     _check("ppo.value_steps_left", cfg.ppo.value_steps_left, not (cfg.ppo.value_steps_left and cfg.curriculum.stages),
-           "false with curriculum stages, whose step limits differ from env.max_steps")
+           "false with curriculum stages (each stage has its own step limit; the table has env.max_steps')")
     _check_logger(cfg.logger)
     _check_model(cfg.model, cfg.memory)
     _check_memory(cfg.memory, cfg.trainer)

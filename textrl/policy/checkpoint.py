@@ -148,6 +148,18 @@ def check_same_model(cfg: TrainConfig, state: dict, origin: str, advice: str) ->
         raise CheckpointError(
             f"{origin} holds a policy of model={theirs.name} (source {theirs.source}, LoRA {_lora(source.memory)}); "
             f"this run uses model={mine.name} (source {mine.source}, LoRA {_lora(cfg.memory)}). {advice}")
+    if _value_steps(cfg) != _value_steps(source):  # the value head's table: whether it has one, and its size
+        raise CheckpointError(f"{origin} holds a value head {_steps(_value_steps(source))}; this run's has "
+                              f"{_steps(_value_steps(cfg))} (ppo.value_steps_left, env.max_steps). {advice}")
+
+
+def _value_steps(cfg: TrainConfig) -> int | None:
+    """The steps left its value head holds a value for (``ppo.value_steps_left``), or None."""
+    return cfg.env.max_steps if cfg.ppo.value_steps_left else None
+
+
+def _steps(steps: int | None) -> str:
+    return "without a value per step left" if steps is None else f"with a value per step left of {steps} steps"
 
 
 def _identity(model: ModelConfig, memory: MemoryConfig) -> tuple:

@@ -181,6 +181,10 @@ class PPOUpdate:
         self.frozen = frozen  # frozen blocks under the trainable ones, replayed (ppo.cache_frozen)
         self.runtime = runtime or Runtime()
         self.uses_value = ppo.advantage == "gae"  # group baselines need no value head
+        if ppo.value_steps_left != (policy.value_head.steps_left is not None):
+            raise ValueError(f"ppo.value_steps_left={ppo.value_steps_left}, but the policy's value head was built "
+                             f"{'without' if ppo.value_steps_left else 'with'} a value per step left: build it with "
+                             f"build_policy(..., value_limit=steps_left_limit(cfg))")
         # explore: the first iteration's; each iteration's own is in its IterationData
         self.coefs = LossCoefs(ppo.clip, ppo.vf_coef if self.uses_value else 0.0, ppo.ent_coef, ppo.kl_coef,
                                explore_at(ppo, 0))
