@@ -28,6 +28,14 @@ file time, since the subprocess started); else the seconds the run's phases log 
 per evaluation), added up in run order and scaled so that the run's end is its wall time (start-up
 and checkpoint writes, which no phase logs, spread in proportion).
 
+    python bench/learn.py --resume --configs steps_left --seeds 1 --tag medium12 -- experiment=medium_rl_cpu
+
+goes on with a run that was killed or stopped (its folder holds ``checkpoints/last.ckpt``) instead of
+starting it over: a run longer than one sitting. Its minutes add up the stretches it ran (a killed
+stretch until its last checkpoint; ``learn_sessions.json`` in the run's folder, and ``sessions`` in
+its result entry), and a resume that would change the precision ``memory=auto`` resolves to is
+refused.
+
     python bench/learn.py --from-stored bench/results/learn_easy24_*.json   # no training: printed
 
 recomputes these figures from result files written before they were recorded: their runs kept the
@@ -133,17 +141,58 @@ def eval_minutes(rows: list[dict], total_minutes: float | None = None) -> list[l
     return eval_clock(iteration_s, evals, total_minutes)
 
 
-def wall_eval_minutes(run_dir: Path, started: float, curve: list[list]) -> list[list[float]] | None:
-    """[iteration, minutes, win rate] of each evaluation of ``curve`` ([iteration, win rate, ...]),
-    the minutes from ``started`` (``time.time()`` as the run started) to its transcript file's time
-    (``transcripts/iter_<k>.md``); None where an evaluation wrote none (``eval.transcripts=0``)."""
+def wall_eval_minutes(run_dir: Path, sessions: list[tuple[float, float]],
+                      curve: list[list]) -> list[list[float]] | None:
+    """[iteration, minutes, win rate] of each evaluation of ``curve`` ([iteration, win rate, ...]):
+    the run's minutes at its transcript file's time (``transcripts/iter_<k>.md``). ``sessions`` are
+    the stretches the run ran, (``time.time()`` as it started, seconds it counts), one unless it was
+    resumed; a file's minutes are the earlier stretches' seconds and its own stretch's up to the
+    file. None where an evaluation wrote no file (``eval.transcripts=0``) or one outside every
+    stretch."""
     out = []
     for it, win, *_ in curve:
         path = run_dir / "transcripts" / f"iter_{int(it):04d}.md"
-        if not path.is_file() or path.stat().st_mtime < started:
+        mtime = path.stat().st_mtime if path.is_file() else None
+        before, at = 0.0, None
+        for started, seconds in sessions:
+            if mtime is not None and started <= mtime <= started + seconds:
+                at = before + mtime - started
+                break
+            before += seconds
+        if at is None:
             return None
-        out.append([int(it), round((path.stat().st_mtime - started) / 60, 2), win])
+        out.append([int(it), round(at / 60, 2), win])
     return out
+
+
+def run_sessions(run_dir: Path, resume: bool, commit: str, precision: str) -> list[dict]:
+    """The stretches a seed's run has run, ``run_dir/learn_sessions.json`` (each: ``started``,
+    ``seconds``, ``commit``, ``precision``), with this invocation's appended (``seconds`` None until
+    it ends). Without ``resume`` the run starts over: its folder is emptied. With it, a run whose
+    folder holds ``checkpoints/last.ckpt`` goes on there (``train.py`` resumes by itself); a stretch
+    that was killed counts until its ``last.ckpt`` was written: what the kill lost is played again
+    and counted then. A resume that would change the precision is refused (the run would mix two)."""
+    path = run_dir / "learn_sessions.json"
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    sessions = []
+    if resume and ckpt.is_file():
+        if not path.is_file():
+            raise SystemExit(f"{run_dir} holds {ckpt.name} but no {path.name}: it was not started by "
+                             f"bench/learn.py, whose minutes it could not count; run without --resume")
+        sessions = json.loads(path.read_text())
+        if sessions[-1]["precision"] != precision:
+            raise SystemExit(f"{run_dir} ran in {sessions[-1]['precision']} and would resume in {precision} "
+                             f"(memory=auto chose by this machine): pass memory=none (fp32) or memory=bf16 "
+                             f"to keep one precision")
+        for s in sessions:
+            if s["seconds"] is None:  # killed: it counts until its last checkpoint
+                s["seconds"] = round(max(0.0, ckpt.stat().st_mtime - s["started"]), 1)
+    elif run_dir.exists():  # a seed run again replaces its run (its logs would otherwise mix in)
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sessions.append({"started": time.time(), "seconds": None, "commit": commit, "precision": precision})
+    path.write_text(json.dumps(sessions, indent=1))
+    return sessions
 
 
 def stored_eval_minutes(run: dict) -> list[list[float]]:
@@ -181,9 +230,10 @@ def from_stored(path: Path) -> dict:
             "minutes_to_win_rate": reached(runs), "runs": runs}
 
 
-def summarize_run(run_dir: Path, started: float | None = None, minutes: float | None = None) -> dict:
-    """A finished run's figures from its metrics.csv; with ``started`` (``time.time()`` as it
-    started) and ``minutes`` (its wall time), its minutes to each held-out win rate too."""
+def summarize_run(run_dir: Path, sessions: list[tuple[float, float]] | None = None,
+                  minutes: float | None = None) -> dict:
+    """A finished run's figures from its metrics.csv; with ``sessions`` (``wall_eval_minutes``) and
+    ``minutes`` (its wall time), its minutes to each held-out win rate too."""
     with open(run_dir / "logs" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     evals = [r for r in rows if r.get("eval/win_rate")]
@@ -213,7 +263,7 @@ def summarize_run(run_dir: Path, started: float | None = None, minutes: float | 
                                   "evaluation": mean("perf/eval_s")},
     }
     # minutes to each held-out win rate: the wall clock where every evaluation left its transcripts
-    wall = wall_eval_minutes(run_dir, started, out["eval_curve"]) if started is not None else None
+    wall = wall_eval_minutes(run_dir, sessions, out["eval_curve"]) if sessions else None
     out["clock"] = CLOCKS["wall"] if wall is not None else CLOCKS["logged"]
     out["eval_minutes"] = wall if wall is not None else eval_minutes(rows, minutes)
     out["minutes_to_win_rate"] = minutes_to(out["eval_minutes"])
@@ -285,6 +335,9 @@ def main(argv=None):
     ap.add_argument("--from-stored", nargs="+", metavar="FILE", type=Path,
                     help="no training: print the minutes to each held-out win rate, estimated from these result "
                          "files' stored runs (module docstring)")
+    ap.add_argument("--resume", action="store_true",
+                    help="a seed whose run folder holds checkpoints/last.ckpt (a run killed or stopped) goes on "
+                         "from it instead of starting over; its minutes add up the stretches it ran (run_sessions)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every configuration")
     args = ap.parse_args(argv)
     if args.from_stored:
@@ -304,24 +357,29 @@ def main(argv=None):
         config = {k: v for k, v in config.items() if k not in UNPOOLED}
         config.update(BEHAVIOUR)
         earlier_runs(out_path, overrides_all, set(args.seeds), config)  # refuses now, not after the runs
+        # what memory=auto resolves to on this machine: a resumed run must keep it
+        precision = train_config([*CONFIGS[name], *args.overrides]).memory.precision
         mine = []
         for seed in args.seeds:
             run_dir = (ROOT / args.runs / args.tag / name / f"seed{seed}").resolve()
             overrides = [*CONFIGS[name], *args.overrides, f"seed={seed}"]
             cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
-            if run_dir.exists():  # a seed run again replaces its run (its logs would otherwise mix in)
-                shutil.rmtree(run_dir)
-            run_dir.mkdir(parents=True)
-            start, started = time.perf_counter(), time.time()  # the file times of its transcripts count from `started`
+            sessions = run_sessions(run_dir, args.resume, commit, precision)
+            start = time.perf_counter()
             # console.log, not train.log: that is Hydra's log file of the run, which its own handler
             # appends to while this handle writes at its own offset (lines overwrote each other)
-            with open(run_dir / "console.log", "w") as log:
+            with open(run_dir / "console.log", "a") as log:
                 subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-            minutes = (time.perf_counter() - start) / 60
-            mine.append({"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
-                         "commit": commit, "resolved": config,
-                         "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
-                         **summarize_run(run_dir, started, minutes)})
+            sessions[-1]["seconds"] = round(time.perf_counter() - start, 1)
+            (run_dir / "learn_sessions.json").write_text(json.dumps(sessions, indent=1))
+            minutes = sum(s["seconds"] for s in sessions) / 60
+            run = {"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
+                   "commit": commit, "resolved": config,
+                   "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
+                   **summarize_run(run_dir, [(s["started"], s["seconds"]) for s in sessions], minutes)}
+            if len(sessions) > 1:  # resumed: where each stretch ran (the run's commit is the last one's)
+                run["sessions"] = sessions
+            mine.append(run)
             # the file is read again now, not before the runs: another invocation adding other seeds
             # to the same file meanwhile (two queues side by side) keeps its runs
             others, commands = earlier_runs(out_path, overrides_all, {r["seed"] for r in mine}, config)

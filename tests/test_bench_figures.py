@@ -70,8 +70,16 @@ def test_wall_clock_minutes_from_the_evaluations_transcript_files(tmp_path):
         path = tmp_path / "transcripts" / f"iter_{iteration:04d}.md"
         path.write_text("")
         os.utime(path, (started + seconds, started + seconds))
-    assert wall_eval_minutes(tmp_path, started, [[0, 0.0, 8.0], [2, 0.5, 4.0]]) == [[0, 0.5, 0.0], [2, 3.0, 0.5]]
-    assert wall_eval_minutes(tmp_path, started, [[0, 0.0, 8.0], [4, 0.9, 2.0]]) is None  # no transcript: no wall clock
+    one = [(started, 600.0)]
+    assert wall_eval_minutes(tmp_path, one, [[0, 0.0, 8.0], [2, 0.5, 4.0]]) == [[0, 0.5, 0.0], [2, 3.0, 0.5]]
+    assert wall_eval_minutes(tmp_path, one, [[0, 0.0, 8.0], [4, 0.9, 2.0]]) is None  # no transcript: no wall clock
+    # a resumed run: the file of iteration 2 was written 60 s into the second stretch, which began
+    # a day later, after a first stretch that counts 120 s
+    os.utime(tmp_path / "transcripts" / "iter_0002.md", (started + 86_460, started + 86_460))
+    two = [(started, 120.0), (started + 86_400, 300.0)]
+    assert wall_eval_minutes(tmp_path, two, [[0, 0.0, 8.0], [2, 0.5, 4.0]]) == [[0, 0.5, 0.0], [2, 3.0, 0.5]]
+    # a file outside every stretch (written after the last checkpoint of a killed one): no wall clock
+    assert wall_eval_minutes(tmp_path, [(started, 20.0), (started + 86_400, 30.0)], [[0, 0.0, 8.0]]) is None
 
 
 def test_minutes_estimated_from_a_stored_result_file(tmp_path):
