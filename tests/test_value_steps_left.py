@@ -81,6 +81,12 @@ def test_an_update_adds_the_table_to_the_old_values_and_trains_it(tmp_path, easy
     assert all(float(moved[k]) > 0 for k in seen)  # the value loss reaches every entry played
     assert float(moved[0]) == 0.0  # no decision has no step left
 
+    # the same episodes under a head built for a longer limit: every entry read would be off by 2
+    longer = config(tmp_path, "env.max_steps=6", "ppo.value_steps_left=true")
+    policy6, _ = build_policy(longer.model, longer.env.step_penalty, value_limit=steps_left_limit(longer))
+    with pytest.raises(ValueError, match=r"was cut by a step limit at 4 steps, not at the value head's 6"):
+        PPOUpdate(policy6, longer.ppo, tokenizer.pad_token_id, longer.seed).prepare(episodes, 0)
+
 
 def test_a_run_with_it_writes_and_loads_its_table_and_a_run_without_it_refuses_its_weights(tmp_path):
     result = cli.train(config(tmp_path / "first", "iterations=1", "eval.every=1", "ppo.value_steps_left=true"))

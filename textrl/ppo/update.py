@@ -262,6 +262,11 @@ class PPOUpdate:
             if rollout.count and int(rollout.turns.max()) >= limit:
                 raise ValueError(f"a decision at step {int(rollout.turns.max())} of an episode, past the value head's "
                                  f"{limit} steps (env.max_steps when it was built)")
+            # a shorter limit would pass the check above and read every turn's entry off by the difference
+            cut = next((e for e in episodes if e.truncated and len(e.steps) != limit), None)
+            if cut is not None:
+                raise ValueError(f"the episode of {cut.game} was cut by a step limit at {len(cut.steps)} steps, not at "
+                                 f"the value head's {limit} (env.max_steps when it was built)")
             steps_left = (limit - rollout.turns).to(self.device)
             with torch.no_grad():
                 old_values = old_values + self.policy.value_head.of_steps_left(steps_left).float()
