@@ -165,13 +165,14 @@ def wall_eval_minutes(run_dir: Path, sessions: list[tuple[float, float]],
     return out
 
 
-def run_sessions(run_dir: Path, resume: bool, commit: str, precision: str) -> list[dict]:
+def run_sessions(run_dir: Path, resume: bool, commit: str, precision: str, overrides: list[str]) -> list[dict]:
     """The stretches a seed's run has run, ``run_dir/learn_sessions.json`` (each: ``started``,
-    ``seconds``, ``commit``, ``precision``), with this invocation's appended (``seconds`` None until
+    ``seconds``, ``commit``, ``precision``, ``overrides``), with this invocation's appended (``seconds`` None until
     it ends). Without ``resume`` the run starts over: its folder is emptied. With it, a run whose
     folder holds ``checkpoints/last.ckpt`` goes on there (``train.py`` resumes by itself); a stretch
     that was killed counts until its ``last.ckpt`` was written: what the kill lost is played again
-    and counted then. A resume that would change the precision is refused (the run would mix two)."""
+    and counted then. A resume that would change the precision or the overrides is refused (the run
+    would mix two configurations)."""
     path = run_dir / "learn_sessions.json"
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     sessions = []
@@ -184,13 +185,17 @@ def run_sessions(run_dir: Path, resume: bool, commit: str, precision: str) -> li
             raise SystemExit(f"{run_dir} ran in {sessions[-1]['precision']} and would resume in {precision} "
                              f"(memory=auto chose by this machine): pass memory=none (fp32) or memory=bf16 "
                              f"to keep one precision")
+        if sessions[-1]["overrides"] != overrides:
+            raise SystemExit(f"{run_dir} ran with {' '.join(sessions[-1]['overrides'])} and would resume with "
+                             f"{' '.join(overrides)}: resume it with the same command, or pass another --tag")
         for s in sessions:
             if s["seconds"] is None:  # killed: it counts until its last checkpoint
                 s["seconds"] = round(max(0.0, ckpt.stat().st_mtime - s["started"]), 1)
     elif run_dir.exists():  # a seed run again replaces its run (its logs would otherwise mix in)
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    sessions.append({"started": time.time(), "seconds": None, "commit": commit, "precision": precision})
+    sessions.append({"started": time.time(), "seconds": None, "commit": commit, "precision": precision,
+                     "overrides": overrides})
     path.write_text(json.dumps(sessions, indent=1))
     return sessions
 
@@ -364,7 +369,7 @@ def main(argv=None):
             run_dir = (ROOT / args.runs / args.tag / name / f"seed{seed}").resolve()
             overrides = [*CONFIGS[name], *args.overrides, f"seed={seed}"]
             cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
-            sessions = run_sessions(run_dir, args.resume, commit, precision)
+            sessions = run_sessions(run_dir, args.resume, commit, precision, overrides)
             start = time.perf_counter()
             # console.log, not train.log: that is Hydra's log file of the run, which its own handler
             # appends to while this handle writes at its own offset (lines overwrote each other)

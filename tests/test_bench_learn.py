@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from learn import earlier_runs, run_sessions  # noqa: E402  (bench/ is a script directory, not a package)
 
 OVERRIDES = ["ppo.explore=0.1"]
+RUN = ["experiment=medium_rl_cpu", "seed=1"]  # a seed run's overrides
 
 
 def _file(tmp_path, runs, threads=(1,)):
@@ -50,14 +51,14 @@ def _stopped_run(run_dir, started, ckpt_after):
     ckpt.write_bytes(b"weights")
     os.utime(ckpt, (started + ckpt_after, started + ckpt_after))
     (run_dir / "learn_sessions.json").write_text(json.dumps(
-        [{"started": started, "seconds": None, "commit": "aaa", "precision": "32-true"}]))
+        [{"started": started, "seconds": None, "commit": "aaa", "precision": "32-true", "overrides": RUN}]))
 
 
 def test_a_resumed_run_counts_its_killed_stretch_until_its_last_checkpoint(tmp_path):
     run_dir = tmp_path / "seed1"
     started = time.time() - 7200
     _stopped_run(run_dir, started, ckpt_after=3000.0)
-    sessions = run_sessions(run_dir, True, "bbb", "32-true")
+    sessions = run_sessions(run_dir, True, "bbb", "32-true", RUN)
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # kept: train.py resumes from it
     assert [s["commit"] for s in sessions] == ["aaa", "bbb"]
     assert sessions[0]["seconds"] == 3000.0  # what the kill lost after the checkpoint is not counted
@@ -68,16 +69,18 @@ def test_a_resumed_run_counts_its_killed_stretch_until_its_last_checkpoint(tmp_p
 def test_without_resume_a_stopped_run_starts_over(tmp_path):
     run_dir = tmp_path / "seed1"
     _stopped_run(run_dir, time.time() - 60, ckpt_after=30.0)
-    sessions = run_sessions(run_dir, False, "bbb", "32-true")
+    sessions = run_sessions(run_dir, False, "bbb", "32-true", RUN)
     assert not (run_dir / "checkpoints").exists() and [s["commit"] for s in sessions] == ["bbb"]
 
 
-def test_a_resume_that_would_change_the_precision_or_cannot_count_minutes_is_refused(tmp_path):
+def test_a_resume_that_would_change_the_precision_or_overrides_or_cannot_count_minutes_is_refused(tmp_path):
     run_dir = tmp_path / "seed1"
     _stopped_run(run_dir, time.time() - 60, ckpt_after=30.0)
     with pytest.raises(SystemExit, match=r"ran in 32-true and would resume in bf16-mixed.*memory=none"):
-        run_sessions(run_dir, True, "bbb", "bf16-mixed")
+        run_sessions(run_dir, True, "bbb", "bf16-mixed", RUN)
+    with pytest.raises(SystemExit, match=r"ran with experiment=medium_rl_cpu seed=1 and would resume with .*iterations=6"):
+        run_sessions(run_dir, True, "bbb", "32-true", [*RUN, "iterations=6"])
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # refused before anything was removed
     (run_dir / "learn_sessions.json").unlink()  # a folder train.py wrote without bench/learn.py
     with pytest.raises(SystemExit, match=r"no learn_sessions.json: it was not started by bench/learn.py"):
-        run_sessions(run_dir, True, "bbb", "32-true")
+        run_sessions(run_dir, True, "bbb", "32-true", RUN)
