@@ -33,8 +33,8 @@ and checkpoint writes, which no phase logs, spread in proportion).
 goes on with a run that was killed or stopped (its folder holds ``checkpoints/last.ckpt``) instead of
 starting it over: a run longer than one sitting. Its minutes add up the stretches it ran (a killed
 stretch until its last checkpoint; ``learn_sessions.json`` in the run's folder, and ``sessions`` in
-its result entry), and a resume that would change the precision ``memory=auto`` resolves to is
-refused.
+its result entry), and a resume that would change the overrides or the precision ``memory=auto``
+resolves to is refused.
 
     python bench/learn.py --from-stored bench/results/learn_easy24_*.json   # no training: printed
 
