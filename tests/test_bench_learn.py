@@ -1,5 +1,5 @@
 """bench/learn.py adds seeds to a result file only when they are runs of one configuration, and
-goes on with a stopped run only where its minutes and precision stay one run's."""
+goes on with a stopped run only where its minutes, overrides and precision stay one run's."""
 
 import json
 import os
