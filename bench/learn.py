@@ -93,6 +93,8 @@ CONFIGS = {
     "repeat_penalty": ["env.repeat_penalty=0.2"],
     # a time-aware value: a learned value per step left, the step limit an end (no bootstrap)
     "steps_left": ["ppo.value_steps_left=true"],
+    # + one pass of cloning 16 of the shortest wins the rollouts found so far, after each update
+    "self_imitation": ["self_imitation.episodes=16"],
 }
 
 

@@ -303,6 +303,15 @@ class WarmStartConfig:
 
 
 @dataclass
+class SelfImitationConfig:
+    """Behaviour cloning on the policy's own shortest wins, after each PPO update
+    (textrl/training/self_imitation.py): rewards from the games' score only, no walkthroughs."""
+
+    episodes: int = 0  # remembered wins replayed and cloned each iteration, one pass; 0: off
+    games: int = 64  # training games whose shortest win is remembered (the least recently won go first)
+
+
+@dataclass
 class CurriculumConfig:
     """Which training games an iteration plays: recently lost ones replayed (with or without stages),
     and stages of env options the policy moves through as it masters each (``curriculum=...``):
@@ -329,6 +338,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    self_imitation: SelfImitationConfig = field(default_factory=SelfImitationConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     experiment: Optional[str] = None  # name of the experiment (set by conf/experiment/*), groups sweeps
     seed: int = 0
@@ -458,6 +468,9 @@ def _check_iterations(cfg: TrainConfig) -> None:
     for key in ["games", "batch"]:
         _check(f"warm_start.{key}", getattr(w, key), getattr(w, key) >= 1, "an integer >= 1")
     _check("warm_start.lr", w.lr, math.isfinite(w.lr) and w.lr > 0, "a number > 0")
+    si = cfg.self_imitation
+    _check("self_imitation.episodes", si.episodes, si.episodes >= 0, "an integer >= 0 (0: off)")
+    _check("self_imitation.games", si.games, si.games >= 1, "an integer >= 1")
 
 
 def _check_trainer(cfg: TrainConfig) -> None:

@@ -28,7 +28,7 @@ from textrl.games.env import Game, GameFault, Observation, open_game
 from textrl.games.pool import game_name
 from textrl.games.prompt import PromptBuilder
 from textrl.games.workers import GameWorkers, reset_games, step_games_async
-from textrl.policy.decoding import Action, ConstrainedDecoder, Decision, DecodeProfile
+from textrl.policy.decoding import Action, ConstrainedDecoder, Decision, DecodeProfile, forced_action
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
 
@@ -230,6 +230,30 @@ def play_games(player: Player, games: list[Path], env: EnvConfig,
             decoder.reset()  # free the KV cache between rollouts
     stats.wall_s = time.perf_counter() - start
     return episodes, stats
+
+
+def replay_commands(game: Game, prompts: PromptBuilder, commands: list[str] | None = None) -> Episode:
+    """``commands`` (None: the game's walkthrough) played from ``game``'s reset as an episode of
+    forced actions (``forced_action``): the turns a rollout that chose them would record (the same
+    prompts, tries and decisions; no log-probs or values). It stops before the first command that is
+    not admissible, or when the game ends; ``won`` says whether the commands won. The walkthrough
+    warm start and self-imitation train on these. The caller opens and closes ``game``; a game fault
+    is the caller's (``GameFault``)."""
+    episode = Episode(game=str(game.game_file))
+    obs = game.reset()
+    for command in game.walkthrough if commands is None else commands:
+        if command not in obs.admissible_commands:
+            break
+        prompt_ids = prompts.build(obs, game.history)  # before the step, as in a rollout
+        trie = prompts.trie(obs)
+        result = game.step(command)
+        episode.steps.append(Step(obs, prompt_ids, forced_action(trie, command), result.reward,
+                                  result.terminated, result.truncated, result.observation.feedback))
+        obs = result.observation
+        episode.won, episode.lost = obs.won, obs.lost
+        if result.done:
+            break
+    return episode
 
 
 def play_uniform(envs: list[Game], seed: int = 0) -> tuple[list[Episode], RolloutStats]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -280,6 +281,50 @@ class PPOUpdate:
         advantages, returns = torch.stack([advantages, returns]).float().to(self.device)
         targets = Targets(old_logprobs, old_values, advantages, returns, temperatures, ref_logprobs, steps_left)
         return IterationData(rollout, steps, targets, prefix, coefs)
+
+    def imitate(self, episodes: list[Episode], iteration: int, optimizer) -> dict[str, float]:
+        """Self-imitation (``textrl.training.self_imitation``): one pass of optimizer steps of
+        cross-entropy on ``episodes``' forced decisions, under the policy itself (T = 1, no
+        exploration mixed in, as the walkthrough warm start), in the update's minibatches and
+        accumulation, each step the mean over its decisions, clipped and checked as the update's.
+        Only the LM learns: a win's returns would teach the value head nothing about failing.
+        Returns ``imitation/loss`` (cross-entropy per decision) and ``imitation/decisions`` over all
+        ranks, and ``perf/imitation_s``."""
+        timer = PhaseTimer(self.device)
+        sequences = self.equalize_across_ranks(training_sequences(episodes).sequences)
+        rng = random.Random(f"imitate/{self.seed}/{iteration}")  # its own order, not the update's
+        steps = optimizer_steps(sequences, self.ppo.minibatch_size, self.ppo.grad_accum, 1, rng)
+        total, decisions = torch.zeros((), device=self.device), 0  # summed cross-entropy (read once, at the end)
+        value_group = [q for g in optimizer.param_groups if g.get("name") == "value" for q in g["params"]]
+        with timer.phase("imitation"):
+            for step, normalizer in zip(steps, self.step_normalizers(steps)):
+                for k, minibatch in enumerate(step):
+                    with self.runtime.no_sync() if k < len(step) - 1 else contextlib.nullcontext():
+                        nll, count = self.imitation_loss(minibatch)
+                        self.runtime.backward(nll / normalizer)
+                    total, decisions = total + nll.detach().float(), decisions + count
+                norms = self.clip_gradients(optimizer)
+                for q in value_group:  # its zero gradient joined DDP's all-reduce; AdamW must not step it
+                    q.grad = None
+                if self.step_is_finite(norms.tolist()):
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            self.check_weights()
+        sums = torch.stack([total, torch.tensor(float(decisions), device=self.device)])
+        total, decisions = self.runtime.all_reduce(sums, "sum").tolist()
+        return {"imitation/loss": total / max(decisions, 1.0), "imitation/decisions": decisions,
+                "perf/imitation_s": timer.seconds("imitation")}
+
+    def imitation_loss(self, minibatch: Minibatch) -> tuple[torch.Tensor, int]:
+        """The minibatch's summed cross-entropy of its forced decisions and their count. Every
+        trainable weight is in the graph, at zero where the loss does not reach it (the value head;
+        everything on a rank with nothing to clone): DDP's all-reduce waits for a gradient of each."""
+        if minibatch[0] is None:
+            return sum(q.sum() for q in self.policy.parameters() if q.requires_grad) * 0.0, 0
+        out = decision_forward(self.policy, minibatch, self.pad_id)
+        logp = fork_logprobs(out.logits, out.valid).gather(1, out.chosen[:, None]).squeeze(1)
+        zero = sum(q.sum() for q in self.policy.value_head.parameters()) * 0.0
+        return -logp.float().sum() + zero, logp.numel()
 
     def loss(self, minibatch: Minibatch, data: IterationData, normalizer: float) -> tuple[PPOTerms, int]:
         """The minibatch's PPO loss (its share of an optimizer step of ``normalizer`` decisions) and

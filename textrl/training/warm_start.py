@@ -36,13 +36,12 @@ from textrl.errors import ConfigError, NonFiniteError
 from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
-from textrl.policy.decoding import forced_action
 from textrl.policy.device import trainer_device
 from textrl.policy.distribution import fork_logprobs
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.ppo.sequences import TrainingSequence, decision_forward, training_sequences
-from textrl.rollout import Episode, Step
+from textrl.rollout import Episode, replay_commands
 
 log = logging.getLogger(__name__)
 
@@ -52,26 +51,13 @@ PROBE_SEQUENCES = 32
 
 
 def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainConfig) -> tuple[list[Episode], list[str]]:
-    """Each game's walkthrough replayed as an episode of forced actions; (winning episodes, the
-    games whose walkthrough was not admissible or did not win)."""
+    """Each game's walkthrough replayed as an episode of forced actions (``replay_commands``);
+    (winning episodes, the games whose walkthrough was not admissible or did not win)."""
     kept, skipped = [], []
     for game in games:
         env = open_game(game, cfg.env)
-        episode = Episode(game=str(game))
         try:
-            obs = env.reset()
-            for command in env.walkthrough:
-                if command not in obs.admissible_commands:
-                    break
-                prompt_ids = prompts.build(obs, env.history)  # before the step, as in a rollout
-                trie = prompts.trie(obs)
-                result = env.step(command)
-                episode.steps.append(Step(obs, prompt_ids, forced_action(trie, command), result.reward,
-                                          result.terminated, result.truncated, result.observation.feedback))
-                obs = result.observation
-                episode.won = obs.won
-                if result.done:
-                    break
+            episode = replay_commands(env, prompts)
         finally:
             env.close()
         if episode.won:
