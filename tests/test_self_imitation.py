@@ -192,3 +192,20 @@ def test_a_run_with_self_imitation_remembers_wins_clones_them_and_resumes_exactl
 def test_bad_self_imitation_settings_are_refused_naming_the_key(tmp_path, key, value):
     with pytest.raises(cli.ConfigError, match=rf"self_imitation\.{key}"):
         config(tmp_path, f"self_imitation.{key}={value}")
+
+
+def test_a_game_the_memory_names_outside_the_runs_pool_is_never_opened(setting, monkeypatch):
+    """A checkpoint's memory names files: only games of the run's own training pool are replayed."""
+    cfg, prompts, games, tokenizer = setting
+    imitation = si.SelfImitation(SelfImitationConfig(episodes=4), 0, tokenizer)
+    foreign = str(games[0].parent.parent / "elsewhere" / games[0].name)
+    imitation.load_state_dict({"wins": [[foreign, ["look"]], [str(games[1]), walkthrough(games[1], cfg)]]})
+    opened = []
+
+    def spying(game, env):  # the real game is still opened
+        opened.append(str(game))
+        return open_game(game, env)
+
+    monkeypatch.setattr(si, "open_game", spying)
+    imitation.run([], 0, cfg.env, games, lambda episodes: {})
+    assert opened == [str(games[1])] and list(imitation.memory.wins) == [str(games[1])]
