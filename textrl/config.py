@@ -104,6 +104,13 @@ class EnvConfig:
     # in its prompt, to try something else. Evaluation never computes it. Where a game's progress
     # shows only in its feedback (Simon Says, Arithmetic), a right command can be a repeat. 0: off
     repeat_penalty: float = 0.0
+    # the policy is not offered a command it already played from the same state (Observation.state)
+    # earlier in the episode, unless every admissible command there was played: a loop's second round
+    # takes the next command instead. An action rule like the trie's mask, not a reward: training
+    # rollouts, evaluation, textrl-eval and textrl-play all play with it, and PPO's update scores the
+    # choices among the commands offered. As with repeat_penalty, keep it off where a right command can
+    # be a repeat (Simon Says, Arithmetic). false: every admissible command is offered
+    block_repeats: bool = False
     history_len: int = 8  # past turns kept by the environment
     # verbs whose latest answer stays in the prompt when the history is cut (history_len,
     # max_prompt_tokens): with [read], the turn showing the recipe that `read cookbook` answered is
@@ -153,11 +160,11 @@ class EnvConfig:
 
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
         """These games, shown the way a policy trained on ``policy_env`` saw its own: its prompt
-        settings (and how its rollouts cut history from the KV cache), this setting's games, step
-        limit, rewards and prompt budget."""
+        settings (and how its rollouts cut history from the KV cache), the commands it was offered
+        (``block_repeats``), this setting's games, step limit, rewards and prompt budget."""
         return replace(self, list_commands=policy_env.list_commands, goal_last=policy_env.goal_last,
                        history_len=policy_env.history_len, drop_turns_from_cache=policy_env.drop_turns_from_cache,
-                       keep_answers=policy_env.keep_answers)
+                       keep_answers=policy_env.keep_answers, block_repeats=policy_env.block_repeats)
 
 
 ADVANTAGES = {"gae", "grpo", "rloo", "gigpo"}  # ppo.advantage: textrl/ppo/advantages.py

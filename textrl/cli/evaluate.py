@@ -82,8 +82,8 @@ def load_policy(policy_source: str, cache_dir: str | None = None, model_path: st
 
 def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64, batch: int = 32, seed: int = 0,
              cache_dir: str | None = None, device: str | None = None, files: list[Path] | None = None,
-             max_steps: int | None = None, loaded=None, transcripts: int | None = None
-             ) -> tuple[dict, list[Episode], list[list] | None]:
+             max_steps: int | None = None, loaded=None, transcripts: int | None = None,
+             block_repeats: bool | None = None) -> tuple[dict, list[Episode], list[list] | None]:
     """Play ``games`` held-out games of the env option ``env_name`` (default: the checkpoint's own
     setting, else easy), or the game ``files``. ``policy_source``: ``random``, ``model:<name>``
     (untrained) or ``checkpoint:<path>``; ``loaded``: its ``load_policy`` result, to play several
@@ -91,7 +91,8 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
     puts the policy (None: ``process_device()``). Games are generated or found under ``cache_dir``
     (the user's, never a checkpoint's). Returns the summary, the episodes, and the transcript rows of
     the first ``transcripts`` episodes (None: all) with the policy's alternatives at each step (None
-    for the random policy, which has none)."""
+    for the random policy, which has none). ``block_repeats``: ``env.block_repeats`` for this play
+    (None: the checkpoint's, else off)."""
     policy, tokenizer, cfg, precision = loaded or load_policy(policy_source, cache_dir, device=device)
     if cfg is not None:
         # another setting's games, shown with the prompt the policy was trained with
@@ -101,6 +102,8 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
     env = env.for_evaluation()  # the game's own rewards: shaping never reads an evaluation game
     if max_steps is not None:
         env = replace(env, max_steps=max_steps)
+    if block_repeats is not None:
+        env = replace(env, block_repeats=block_repeats)
     if policy is not None:  # prompts within the model's positions (GPT-2: 1,024); one log line if capped
         env = fit_to_positions(env, policy.position_limit, cfg.model.name if cfg is not None else policy_source)
     if files is not None:
@@ -128,7 +131,8 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
         # An untrained model on medium/hard plays every game to the step limit: minutes per batch.
         log.info("played %d/%d %s games, %d won", len(episodes), len(paths), setting, sum(e.won for e in episodes))
     summary = {"policy": policy_source, "env": setting, "trained_on": cfg.env.name if cfg is not None else None,
-               "max_steps": env.max_steps, "greedy": policy is not None, "precision": precision,
+               "max_steps": env.max_steps, "block_repeats": env.block_repeats, "greedy": policy is not None,
+               "precision": precision,
                **summarize(episodes)}
     rows = None
     if player is not None:  # the alternatives: one forward per step, under the policy's autocast
@@ -192,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--games", nargs="+", default=["64"],
                     help="how many held-out games to play (default 64), or game files / directories to play instead")
     ap.add_argument("--max-steps", type=int, help="step limit (default: the env option's)")
+    ap.add_argument("--block-repeats", action="store_true",
+                    help="offer no command already played from the same state in the episode (env.block_repeats; "
+                         "default: as the checkpoint was trained, else off)")
     ap.add_argument("--batch", type=int, default=32, help="games decoded together")
     ap.add_argument("--seed", type=int, default=0, help="random policy only")
     ap.add_argument("--transcripts", type=int, default=None, help="games to transcribe (default: all)")
@@ -224,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 summary, episodes, rows = evaluate(source, setting, games=int(count or 0), batch=args.batch,
                                                    seed=args.seed, cache_dir=args.cache_dir, files=files,
                                                    max_steps=args.max_steps, loaded=loaded,
-                                                   transcripts=args.transcripts)
+                                                   transcripts=args.transcripts,
+                                                   block_repeats=True if args.block_repeats else None)
                 # written as soon as played (and the table so far): a long evaluation keeps what it did
                 out = Path(args.out or f"eval/{name}-{summary['env']}") if single else root / f"{name}-{summary['env']}"
                 write_result(summary, episodes, out, command, args.transcripts, rows)

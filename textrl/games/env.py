@@ -5,7 +5,8 @@ by the file.
 Reward per step = score change + ``win_bonus`` on the winning step − ``step_penalty`` (+ ``shaping``
 x the step's progress on TextWorld's tracked winning path, in training rollouts only:
 ``Game._shaped``; − ``repeat_penalty`` on a command already played from the same state in the
-episode, in training rollouts only). The losing step also costs ``loss_penalty`` and the step penalty of every step the
+episode, in training rollouts only). With ``block_repeats`` a step's observation does not offer the
+commands already played from its state in the episode (unless that leaves none). The losing step also costs ``loss_penalty`` and the step penalty of every step the
 loss leaves unplayed: a lost episode costs what one played to ``max_steps`` without winning costs,
 plus ``loss_penalty``, so losing is never a shortcut past the step penalty (charged only the losing
 step's penalty, policies on tw-treasure_hunter and Pecking Order learned to take a wrong object at
@@ -36,7 +37,7 @@ import traceback
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import textworld
@@ -235,7 +236,7 @@ class Game:
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
                  win_bonus: float = 1.0, history_len: int = 8, loss_penalty: float = 1.0, *,
                  step_timeout: float | None = None, shaping: float = 0.0, repeat_penalty: float = 0.0,
-                 keep_answers: Sequence[str] = ()):
+                 keep_answers: Sequence[str] = (), block_repeats: bool = False):
         game_file = Path(game_file)
         check_game_file(game_file)
         if max_steps < 1:
@@ -252,6 +253,7 @@ class Game:
         self.step_timeout = step_timeout  # seconds an engine call may take (None: unbounded)
         self.shaping = shaping  # reward per action of progress on the winning path (TextWorld only)
         self.repeat_penalty = repeat_penalty  # subtracted on a repeated (state, command) in the episode
+        self.block_repeats = block_repeats  # a state's played commands are not offered again in the episode
         self._played: set[tuple[str, str, str]] = set()  # (state, command) pairs of this episode
         self.fault: GameFault | None = None  # the engine's last fault: it is not reused
         self._start_distance: int | None = None  # the episode's first steps_to_win (shaping)
@@ -267,7 +269,7 @@ class Game:
         """The game with an EnvConfig's step limit, rewards, history length and step timeout."""
         return cls(game_file, env.max_steps, env.step_penalty, env.win_bonus, env.history_len, env.loss_penalty,
                    step_timeout=env.step_timeout, shaping=env.shaping, repeat_penalty=env.repeat_penalty,
-                   keep_answers=env.keep_answers)
+                   keep_answers=env.keep_answers, block_repeats=env.block_repeats)
 
     # ---- the engine ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -335,6 +337,8 @@ class Game:
         self._answer_to = command
         if len(self.history) > self.history_len:
             drop_oldest(self.history, max(1, self.history_len // 2), self.keep_answers)
+        if self.block_repeats:
+            new = self._without_repeats(new)
         self.observation = new
         reward = ((new.score - obs.score) + (self.win_bonus if new.won else 0.0)
                   - (self._lost_cost() if new.lost else 0.0) - self.step_penalty + self._shaped(obs, new)
@@ -342,6 +346,12 @@ class Game:
         terminated = new.won or new.lost or not new.admissible_commands  # no command: nothing can follow
         truncated = not terminated and self.steps >= self.max_steps
         return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})
+
+    def _without_repeats(self, obs: Observation) -> Observation:
+        """``obs`` offering only the commands not yet played from its state in this episode; all of
+        them where every one was (the episode goes on: a game is never ended by the rule)."""
+        fresh = [c for c in obs.admissible_commands if (*obs.state, c) not in self._played]
+        return replace(obs, admissible_commands=fresh) if fresh else obs
 
     def _lost_cost(self) -> float:
         """What the losing step costs beyond its own step penalty: ``loss_penalty`` and the penalty of
