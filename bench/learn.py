@@ -95,6 +95,8 @@ CONFIGS = {
     "steps_left": ["ppo.value_steps_left=true"],
     # + one pass of cloning 16 of the shortest wins the rollouts found so far, after each update
     "self_imitation": ["self_imitation.episodes=16"],
+    # a command already played from the same state is not offered again in the episode (an action rule)
+    "block_repeats": ["env.block_repeats=true"],
 }
 
 
