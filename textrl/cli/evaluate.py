@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="how many held-out games to play (default 64), or game files / directories to play instead")
     ap.add_argument("--max-steps", type=int, help="step limit (default: the env option's)")
     ap.add_argument("--block-repeats", action="store_true",
-                    help="offer no command already played from the same state in the episode (env.block_repeats; "
+                    help="offer only the commands played fewest times from the same state in the episode (env.block_repeats; "
                          "default: as the checkpoint was trained, else off)")
     ap.add_argument("--batch", type=int, default=32, help="games decoded together")
     ap.add_argument("--seed", type=int, default=0, help="random policy only")

@@ -5,10 +5,11 @@ by the file.
 Reward per step = score change + ``win_bonus`` on the winning step − ``step_penalty`` (+ ``shaping``
 x the step's progress on TextWorld's tracked winning path, in training rollouts only:
 ``Game._shaped``; − ``repeat_penalty`` on a command already played from the same state in the
-episode, in training rollouts only). With ``block_repeats`` a step's observation does not offer the
-commands already played from its state in the episode (unless that leaves none). The losing step also costs ``loss_penalty`` and the step penalty of every step the
-loss leaves unplayed: a lost episode costs what one played to ``max_steps`` without winning costs,
-plus ``loss_penalty``, so losing is never a shortcut past the step penalty (charged only the losing
+episode, in training rollouts only). With ``block_repeats`` a step's observation offers only the
+commands played fewest times from its state in the episode (while some were not played, those).
+The losing step also costs ``loss_penalty`` and the step penalty of every step the loss leaves
+unplayed: a lost episode costs what one played to ``max_steps`` without winning costs, plus
+``loss_penalty``, so losing is never a shortcut past the step penalty (charged only the losing
 step's penalty, policies on tw-treasure_hunter and Pecking Order learned to take a wrong object at
 once and lose). An episode ends when the game is won or lost
 (``terminated``; only some families can be lost, e.g. tw-cooking: a burnt ingredient, an eaten one) or after
@@ -35,6 +36,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -253,8 +255,8 @@ class Game:
         self.step_timeout = step_timeout  # seconds an engine call may take (None: unbounded)
         self.shaping = shaping  # reward per action of progress on the winning path (TextWorld only)
         self.repeat_penalty = repeat_penalty  # subtracted on a repeated (state, command) in the episode
-        self.block_repeats = block_repeats  # a state's played commands are not offered again in the episode
-        self._played: set[tuple[str, str, str]] = set()  # (state, command) pairs of this episode
+        self.block_repeats = block_repeats  # a state offers its least-played commands of the episode
+        self._played: Counter[tuple[str, str, str]] = Counter()  # times each (state, command) was played
         self.fault: GameFault | None = None  # the engine's last fault: it is not reused
         self._start_distance: int | None = None  # the episode's first steps_to_win (shaping)
         self.history: list[Turn] = []
@@ -330,8 +332,8 @@ class Game:
                 f"{command!r} is not admissible here; admissible commands: {obs.admissible_commands}")
         new = self._call(f"step {self.steps + 1} ({command!r})", self._step, command)
         played = (*obs.state, command)
-        repeated = played in self._played
-        self._played.add(played)
+        repeated = self._played[played] > 0
+        self._played[played] += 1
         self.steps += 1
         self.history.append(Turn(obs, command, self._answer_to))
         self._answer_to = command
@@ -348,10 +350,16 @@ class Game:
         return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})
 
     def _without_repeats(self, obs: Observation) -> Observation:
-        """``obs`` offering only the commands not yet played from its state in this episode; all of
-        them where every one was (the episode goes on: a game is never ended by the rule)."""
-        fresh = [c for c in obs.admissible_commands if (*obs.state, c) not in self._played]
-        return replace(obs, admissible_commands=fresh) if fresh else obs
+        """``obs`` offering only the commands played fewest times from its state in this episode: the
+        ones not played yet, and where every one was, those played least. Offering all of them again
+        there let a policy trained with the rule play ``look`` to the step limit in a room it had
+        exhausted (bench/results/medium_block_repeats/); fewest-first makes every cycle through a
+        state take each command in turn. Never none: a game is not ended by the rule."""
+        if not obs.admissible_commands:
+            return obs
+        times = [self._played[(*obs.state, c)] for c in obs.admissible_commands]
+        least = min(times)
+        return replace(obs, admissible_commands=[c for c, n in zip(obs.admissible_commands, times) if n == least])
 
     def _lost_cost(self) -> float:
         """What the losing step costs beyond its own step penalty: ``loss_penalty`` and the penalty of
