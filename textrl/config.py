@@ -107,9 +107,10 @@ class EnvConfig:
     # the policy is offered only the commands it played fewest times from the same state
     # (Observation.state) earlier in the episode: while some were not played there, those; once every
     # one was, those played least, so a loop's next round takes the next command instead. An action
-    # rule like the trie's mask, not a reward: training rollouts, evaluation, textrl-eval and textrl-play all play with it, and PPO's update scores the
-    # choices among the commands offered. As with repeat_penalty, keep it off where a right command can
-    # be a repeat (Simon Says, Arithmetic). false: every admissible command is offered
+    # rule like the trie's mask, not a reward: training rollouts, evaluation, textrl-eval and
+    # textrl-play all play with it, and PPO's update scores the choices among the commands offered.
+    # As with repeat_penalty, keep it off where a right command can be a repeat (Simon Says,
+    # Arithmetic). false: every admissible command is offered
     block_repeats: bool = False
     history_len: int = 8  # past turns kept by the environment
     # verbs whose latest answer stays in the prompt when the history is cut (history_len,
