@@ -390,8 +390,10 @@ def main(argv=None):
                 run["sessions"] = sessions
             mine.append(run)
             # the file is read again now, not before the runs: another invocation adding other seeds
-            # to the same file meanwhile (two queues side by side) keeps its runs
-            others, commands = earlier_runs(out_path, overrides_all, {r["seed"] for r in mine}, config)
+            # to the same file meanwhile (two queues side by side) keeps its runs. The file's runs of
+            # seeds still to come are dropped now: they are being replaced, and may be of another
+            # config (the check before the runs let them be), which must not refuse this one midway
+            others, commands = earlier_runs(out_path, overrides_all, set(args.seeds), config)
             runs = sorted([*others, *mine], key=lambda r: r["seed"])
             result = {
                 "config": name, "overrides": overrides_all,
