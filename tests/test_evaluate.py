@@ -56,6 +56,19 @@ def test_random_policy(tmp_path, capsys):
     assert json.loads((tmp_path / "again" / "results.json").read_text())["per_game"] == result["per_game"]
 
 
+
+def test_first_game_plays_games_of_seeds_no_run_plays(tmp_path):
+    """--first-game N: the held-out games from index N on, seeds outside training's range and past the
+    held-out set every run evaluates on (the check that a figure is not a fit to that set)."""
+    assert main(["--random", "--games", "3", "--out", str(tmp_path / "own")]) == 0
+    assert main(["--random", "--games", "3", "--first-game", "500000", "--out", str(tmp_path / "far")]) == 0
+    own, far = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("own", "far"))
+    assert [g["game"] for g in own["per_game"]] == ["1000000", "1000001", "1000002"] and own["first_game"] == 0
+    assert [g["game"] for g in far["per_game"]] == ["1500000", "1500001", "1500002"] and far["first_game"] == 500000
+    with pytest.raises(SystemExit):  # not with game files: they name their own games
+        main(["--random", "--games", str(tmp_path), "--first-game", "5"])
+
+
 def test_tiny_checkpoint(checkpoint, tmp_path):
     assert main(["--checkpoint", checkpoint, "--games", "4", "--out", str(tmp_path)]) == 0
     result = check_agreement(tmp_path)

@@ -5,9 +5,12 @@
     textrl-eval --random --env hard                                        # uniformly random commands
     textrl-eval --checkpoint CKPT --env easy medium hard tw_cooking        # a generalization table
     textrl-eval --checkpoint CKPT --games my_games/ --max-steps 50         # any game files
+    textrl-eval --checkpoint CKPT --first-game 500000                      # games no run ever plays
 
 The games are the first N evaluation games of an env option (the same held-out set training
-evaluates on; never a training game), or the given game files (``.z8``/``.ulx`` with TextWorld's
+evaluates on; never a training game), the N from ``--first-game`` on (a large index: games of seeds
+that neither training nor its evaluation ever plays, to check that a figure is not a fit to the
+held-out set), or the given game files (``.z8``/``.ulx`` with TextWorld's
 ``.json`` beside them). A checkpoint plays other settings with the prompt it was trained with.
 Writes ``<out>/results.json`` (win rate, steps, return: mean and 95% interval, how the lost games
 failed (``textrl.failures``), plus every game) and ``<out>/transcripts.md`` (with a policy: the
@@ -83,7 +86,7 @@ def load_policy(policy_source: str, cache_dir: str | None = None, model_path: st
 def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64, batch: int = 32, seed: int = 0,
              cache_dir: str | None = None, device: str | None = None, files: list[Path] | None = None,
              max_steps: int | None = None, loaded=None, transcripts: int | None = None,
-             block_repeats: bool | None = None) -> tuple[dict, list[Episode], list[list] | None]:
+             block_repeats: bool | None = None, first_game: int = 0) -> tuple[dict, list[Episode], list[list] | None]:
     """Play ``games`` held-out games of the env option ``env_name`` (default: the checkpoint's own
     setting, else easy), or the game ``files``. ``policy_source``: ``random``, ``model:<name>``
     (untrained) or ``checkpoint:<path>``; ``loaded``: its ``load_policy`` result, to play several
@@ -92,7 +95,8 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
     (the user's, never a checkpoint's). Returns the summary, the episodes, and the transcript rows of
     the first ``transcripts`` episodes (None: all) with the policy's alternatives at each step (None
     for the random policy, which has none). ``block_repeats``: ``env.block_repeats`` for this play
-    (None: the checkpoint's, else off)."""
+    (None: the checkpoint's, else off). ``first_game``: the index of the first evaluation game played
+    (0: the held-out set training evaluates on)."""
     policy, tokenizer, cfg, precision = loaded or load_policy(policy_source, cache_dir, device=device)
     if cfg is not None:
         # another setting's games, shown with the prompt the policy was trained with
@@ -109,7 +113,8 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
     if files is not None:
         paths, setting = files, "files"
     else:
-        paths, setting = GamePool(GameSpec.from_env(env), cache_dir=cache_dir, workers=env.workers).games("eval", games), env.name
+        paths, setting = GamePool(GameSpec.from_env(env), cache_dir=cache_dir,
+                                workers=env.workers).games("eval", games, start=first_game), env.name
     player = None
     if policy is not None:
         device = next(policy.parameters()).device  # load_policy's (every input follows the policy)
@@ -132,7 +137,7 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
         log.info("played %d/%d %s games, %d won", len(episodes), len(paths), setting, sum(e.won for e in episodes))
     summary = {"policy": policy_source, "env": setting, "trained_on": cfg.env.name if cfg is not None else None,
                "max_steps": env.max_steps, "block_repeats": env.block_repeats, "greedy": policy is not None,
-               "precision": precision,
+               "precision": precision, "first_game": None if files is not None else first_game,
                **summarize(episodes)}
     rows = None
     if player is not None:  # the alternatives: one forward per step, under the policy's autocast
@@ -195,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                          "generalization table. Default: the checkpoint's own setting, else easy")
     ap.add_argument("--games", nargs="+", default=["64"],
                     help="how many held-out games to play (default 64), or game files / directories to play instead")
+    ap.add_argument("--first-game", type=int, default=0,
+                    help="index of the first held-out game (default 0: the games training evaluates on); a large "
+                         "one, e.g. 500000, plays games of seeds no run ever plays")
     ap.add_argument("--max-steps", type=int, help="step limit (default: the env option's)")
     ap.add_argument("--block-repeats", action="store_true",
                     help="offer only the commands played fewest times from the same state in the episode (env.block_repeats; "
@@ -211,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     count = args.games[0] if len(args.games) == 1 and args.games[0].isdigit() else None
     if args.batch < 1 or (count is not None and int(count) < 1) or (args.max_steps is not None and args.max_steps < 1):
         ap.error("--games (a count), --batch and --max-steps must be >= 1")
+    if args.first_game < 0 or (args.first_game and count is None):
+        ap.error("--first-game must be >= 0, and goes with --games N (a count), not with game files")
     if count is None and args.env and len(args.env) > 1:
         ap.error("--games with game files plays those files: give at most one --env (its prompt and step limit)")
     sources = (["random"] if args.random else [f"model:{args.model}"] if args.model
@@ -232,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    seed=args.seed, cache_dir=args.cache_dir, files=files,
                                                    max_steps=args.max_steps, loaded=loaded,
                                                    transcripts=args.transcripts,
-                                                   block_repeats=True if args.block_repeats else None)
+                                                   block_repeats=True if args.block_repeats else None,
+                                                   first_game=args.first_game)
                 # written as soon as played (and the table so far): a long evaluation keeps what it did
                 out = Path(args.out or f"eval/{name}-{summary['env']}") if single else root / f"{name}-{summary['env']}"
                 write_result(summary, episodes, out, command, args.transcripts, rows)
