@@ -56,7 +56,6 @@ def test_random_policy(tmp_path, capsys):
     assert json.loads((tmp_path / "again" / "results.json").read_text())["per_game"] == result["per_game"]
 
 
-
 def test_first_game_plays_games_of_seeds_no_run_plays(tmp_path):
     """--first-game N: the held-out games from index N on, seeds outside training's range and past the
     held-out set every run evaluates on (the check that a figure is not a fit to that set)."""
