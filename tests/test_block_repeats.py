@@ -82,11 +82,11 @@ def test_a_state_whose_every_command_was_played_offers_those_played_least(medium
 
 
 def test_a_policy_plays_with_the_rule_wherever_it_is_shown_games():
-    medium, easy = load_env_config("medium"), load_env_config("easy")
-    trained = replace(easy, block_repeats=True)
+    medium, trained = load_env_config("medium"), load_env_config("easy")  # easy trains with it by default
+    assert trained.block_repeats and not medium.block_repeats
     # another setting's games played by a policy trained with it (textrl-eval, curriculum stages)
     assert medium.with_prompt_of(trained).block_repeats
-    assert not medium.with_prompt_of(easy).block_repeats
+    assert not load_env_config("easy").with_prompt_of(medium).block_repeats
     # evaluation's settings keep it: it is how the policy acts, not a reward
     assert trained.for_evaluation().block_repeats
 
@@ -123,3 +123,6 @@ def test_textrl_eval_plays_with_the_rule_when_asked():
     summary, episodes, _ = evaluate("random", "medium", games=4, max_steps=32)
     assert summary["block_repeats"] is False
     assert sum(map(needless_repeats, episodes)) > 0  # else the check above would hold without the rule
+    # the random policy and an untrained model are offered every command, on easy too, where
+    # training plays with the rule by default
+    assert evaluate("random", "easy", games=1)[0]["block_repeats"] is False

@@ -39,6 +39,18 @@ def test_defaults_are_easy_smollm2_csv():
     assert cfg.env.goal_last and not cfg.env.list_commands  # the prompt the easy ablation chose
 
 
+def test_easy_plays_with_the_rule_and_every_other_setting_as_measured():
+    """The default run trains and evaluates with the fewest-played rule (docs/results.md, "An action
+    rule against loops"). Every other env option, and the blog post's experiments, keep the full
+    action space their figures were measured with."""
+    assert compose_train().env.block_repeats
+    for option in options("env"):
+        if option not in ("easy", "custom"):  # custom: easy's values with the user's game sizes
+            assert not compose_train([f"env={option}"]).env.block_repeats, option
+    for experiment in ("easy_fresh_gpt2", "easy_repeatable_gpt2", "easy_repeatable_qwen"):
+        assert not compose_train([f"experiment={experiment}"]).env.block_repeats, experiment
+
+
 def test_the_dataclass_defaults_are_the_defaults_of_train_py():
     """One source of truth: TrainConfig() built in code is the config `python train.py` composes."""
     composed = OmegaConf.structured(compose_train())

@@ -63,7 +63,9 @@ def stored_config(state: dict) -> TrainConfig:
     """The training config a checkpoint holds, as it was written (older keys read as today's): data
     to compare and show. What builds a model or games from a checkpoint uses ``checkpoint_config``."""
     saved = OmegaConf.create(state["textrl"]["config"])
-    env = saved.get("env", {})
+    if "env" not in saved:
+        saved.env = {}
+    env = saved.env
     if "difficulty" in env:
         # written before env options named their games (env.difficulty, max_steps null = the
         # difficulty's): the same games and step limit under today's keys
@@ -71,6 +73,9 @@ def stored_config(state: dict) -> TrainConfig:
         env.max_steps = env.get("max_steps") or preset.max_steps
         for key in ("name", "game", "rooms", "objects", "quest_length", "theme"):
             env[key] = getattr(preset, key)
+    # written before env.block_repeats existed (6d97252), when every command was offered: today's
+    # default (the rule on) would play such a policy with an action space it never had
+    env.setdefault("block_repeats", False)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
 
 
