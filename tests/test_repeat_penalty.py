@@ -46,7 +46,8 @@ def test_the_penalty_must_be_a_number_at_least_0():
 
 
 def test_training_rollouts_pay_for_each_repeat_and_evaluation_never_does(tmp_path):
-    result = cli.train(config(tmp_path, "iterations=1", "env.repeat_penalty=0.3"))
+    # the rule (env.block_repeats, on by default on easy) leaves nothing to repeat: the penalty is for play without it
+    result = cli.train(config(tmp_path, "iterations=1", "env.repeat_penalty=0.3", "env.block_repeats=false"))
     module = result["module"]
     held_out, _ = module._eval_episodes  # the last evaluation's episodes
     rows = read_metrics(tmp_path)
