@@ -162,6 +162,12 @@ class EnvConfig:
         games never compute the winning path that shaping reads) and no repeat penalty."""
         return replace(self, shaping=0.0, repeat_penalty=0.0)
 
+    def offering_every_command(self) -> EnvConfig:
+        """These settings as an untrained model, the random policy or a person plays them: every
+        admissible command offered. ``block_repeats`` is a trained policy's action space (on by
+        default, easy's), not a property of the games."""
+        return replace(self, block_repeats=False)
+
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
         """These games, shown the way a policy trained on ``policy_env`` saw its own: its prompt
         settings (and how its rollouts cut history from the KV cache), the commands it was offered

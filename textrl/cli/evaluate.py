@@ -102,9 +102,7 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
         # another setting's games, shown with the prompt the policy was trained with
         env = load_env_config(env_name).with_prompt_of(cfg.env) if env_name else cfg.env
     else:
-        # the rule is a trained policy's action space (conf/env/easy.yaml trains with it): an untrained
-        # model or the random policy is offered every command unless block_repeats says otherwise
-        env = replace(load_env_config(env_name or "easy"), block_repeats=False)
+        env = load_env_config(env_name or "easy").offering_every_command()  # unless block_repeats says otherwise
     env = env.for_evaluation()  # the game's own rewards: shaping never reads an evaluation game
     if max_steps is not None:
         env = replace(env, max_steps=max_steps)

@@ -65,7 +65,7 @@ def _load_player(args, device: torch.device) -> tuple[PolicyValueModel, PromptBu
         precision = cfg.memory.precision
     else:
         policy, tokenizer = build_policy(load_model_config(args.model), cache_dir=args.cache_dir)
-        env = replace(load_env_config(args.env or "easy"), block_repeats=False)  # an untrained model: every command
+        env = load_env_config(args.env or "easy").offering_every_command()
         precision = "auto"  # decided on the policy as training decides it (autocast_context)
     if args.max_prompt_tokens:
         env = replace(env, max_prompt_tokens=args.max_prompt_tokens)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     policy = None
     device = process_device()  # this process's GPU (as training picks it), else the CPU
     try:
-        env_cfg = replace(load_env_config(args.env or "easy"), block_repeats=False)  # a person is offered every command
+        env_cfg = load_env_config(args.env or "easy").offering_every_command()  # a person's play
         if args.model or args.checkpoint:
             policy, prompts, env_cfg, precision = _load_player(args, device)
         path = args.game_file or GamePool(GameSpec.from_env(env_cfg), cache_dir=args.cache_dir) \
