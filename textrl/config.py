@@ -112,8 +112,9 @@ class EnvConfig:
     # As with repeat_penalty, keep it off where a right command can be a repeat (Simon Says,
     # Arithmetic). false: every admissible command is offered. On by default, easy's setting (0.97
     # held-out wins in 1.80 steps where 0.89 in 2.41 without, docs/results.md "An action rule against
-    # loops"); every other env option sets it false, as its figures were measured. textrl-eval and
-    # textrl-play offer an untrained model or a person every command (textrl-eval --block-repeats: the rule)
+    # loops"); env=custom keeps it, every other env option sets it false, as its figures were
+    # measured. textrl-eval and textrl-play offer an untrained model or a person every command
+    # (textrl-eval --block-repeats: the rule)
     block_repeats: bool = True
     history_len: int = 8  # past turns kept by the environment
     # verbs whose latest answer stays in the prompt when the history is cut (history_len,
@@ -128,9 +129,10 @@ class EnvConfig:
     # cache too and feed only the new tokens; false: feed the whole prompt again from position 0.
     # Same prompts either way; true keeps the kept turns' keys as they were computed, with the dropped
     # turns still there (textrl/policy/stream.py), and on medium feeds ~0.55x the tokens
-    # (bench/results/tokens_per_turn.json). Off by default: the one medium run with it (and one
-    # episode per optimizer step) ended at 0.06 held-out wins where the run without it reached 0.56
-    # (bench/results/learn_medium_issue32_default.json): not understood yet
+    # (bench/results/tokens_per_turn.json). Off by default, as medium_cpu and hard_cpu were measured.
+    # Its first medium run, with one episode per optimizer step too, ended at 0.06 held-out wins
+    # (bench/results/learn_medium_issue32_default.json); with the default ppo.grad_accum it learned
+    # (RL alone + block_repeats: 0.80, one seed, learn_medium12_fewest_dropcache_block_repeats.json)
     drop_turns_from_cache: bool = False
     list_commands: bool = False  # also list the admissible commands in the prompt
     # repeat the objective at the end of every observation, right before the command (false: in the
@@ -359,7 +361,7 @@ class TrainConfig:
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     experiment: Optional[str] = None  # name of the experiment (set by conf/experiment/*), groups sweeps
     seed: int = 0
-    iterations: int = 24  # about 22 minutes on 2 CPU cores with native bf16 (bench/results/learn_easy24_replay_default.json)
+    iterations: int = 24  # about 9 minutes on 2 CPU cores with native bf16 (learn_easy24_rule_block_repeats.json)
     threads: Optional[int] = None  # torch CPU threads; None keeps torch's default
     cache_dir: Optional[str] = None  # games and converted models; None: $TEXTRL_CACHE or ~/.cache/textrl
     output_dir: str = MISSING  # the run directory (train.yaml sets it to Hydra's output dir)
