@@ -132,7 +132,8 @@ class EnvConfig:
     # (bench/results/tokens_per_turn.json). Off by default, as medium_cpu and hard_cpu were measured.
     # Its first medium run, with one episode per optimizer step too, ended at 0.06 held-out wins
     # (bench/results/learn_medium_issue32_default.json); with the default ppo.grad_accum it learned
-    # (RL alone + block_repeats: 0.80 and 0.78, two seeds, learn_medium12_fewest_dropcache_block_repeats.json)
+    # (RL alone + block_repeats: 0.80 ± 0.02 over three seeds against 0.78 ± 0.03 without, an iteration
+    # 0.72-0.79x; learn_medium12_fewest_dropcache_block_repeats.json). Not measured with the walkthrough recipes
     drop_turns_from_cache: bool = False
     list_commands: bool = False  # also list the admissible commands in the prompt
     # repeat the objective at the end of every observation, right before the command (false: in the
