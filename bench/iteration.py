@@ -457,8 +457,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     run_dir = Path(tempfile.mkdtemp(prefix="textrl_iteration_"))
+    # RL alone (no warm start, no KL anchor's reference forward): the iterations every iteration.json
+    # measured, from the pretrained model (a warm-started policy plays shorter episodes: another
+    # workload); an override after them still wins
     overrides = [f"iterations={args.iterations}", f"eval.every={args.iterations}", "eval.before_training=false",
-                 "logger=csv", *args.overrides]
+                 "logger=csv", "warm_start.steps=0", "ppo.kl_coef=0", *args.overrides]
     cfg = train_config(overrides, output_dir=str(run_dir))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

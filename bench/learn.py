@@ -72,7 +72,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # The levers of issue 12, each alone on top of the default (python train.py). The default has had
 # env.goal_last=true since the easy ablation chose it; the easy12 files were measured before, when
 # it was false (each run records its commit: check that commit out to reproduce one), and there
-# "goal_last" was the lever and "default" the objective in the system message only.
+# "goal_last" was the lever and "default" the objective in the system message only. Since 2026-11-28
+# the default clones 256 training walkthroughs before PPO (warm_start.steps=64); every earlier file
+# measured RL alone: "rl_alone" is that default, and the levers below sit on the warm start now.
 CONFIGS = {
     "default": [],
     "goal_first": ["env.goal_last=false"],  # the objective in the system message only (the seed's prompt)
@@ -80,11 +82,15 @@ CONFIGS = {
     "rloo": ["env.group_size=4", "ppo.advantage=rloo"],
     # + each turn's return against the group's turns from the same state (GiGPO's step groups)
     "gigpo": ["env.group_size=4", "ppo.advantage=gigpo"],
-    "kl": ["ppo.kl_coef=0.05"],  # KL anchor to the initial policy
+    "kl": ["ppo.kl_coef=0.05"],  # KL anchor to the initial policy (measured on RL alone; the default is 0.1 since 2026-11-28)
     "explore": ["ppo.explore=0.1"],  # 10 % uniform over each fork's children
     # the recipe's exploration share, x 0.75 each iteration (0.3 falls to 0.02 by the tenth)
     "explore_decay": ["ppo.explore_decay=0.75"],
-    "warm_start": ["warm_start.steps=16"],  # behaviour cloning: 2 passes over 64 training walkthroughs first
+    # the default before 2026-11-28: no warm start, rewards from the game's score only
+    "rl_alone": ["warm_start.steps=0", "ppo.kl_coef=0"],
+    # the first warm start measured: 2 passes over 64 training walkthroughs (the default: 256), then
+    # PPO without the anchor, as measured then and on 2026-11-28 (learn_easy24_rule_warm16_warm_start.json)
+    "warm_start": ["warm_start.steps=16", "warm_start.games=64", "ppo.kl_coef=0"],
     "list_commands": ["env.list_commands=true"],  # admissible commands shown in the prompt
     "lora_all": ["memory=lora"],  # LoRA adapters on all 30 blocks instead of the top 6 blocks
     # + 0.2 per command of progress on the game's shortest winning path (training games only)

@@ -26,7 +26,10 @@ register_configs()  # train.yaml's train_schema: a test module run alone compose
 
 SMALL = ["model=tiny", "env.num_envs=4", "env.pool_size=8", "eval.games=4", "eval.batch=4", "eval.transcripts=2",
          "eval.train_games=2", "env.decode_groups=2",  # two groups of two rows: grouped and batched decoding
-         "ppo.epochs=2", "ppo.minibatch_size=2", "ppo.grad_accum=2", "trainer.accelerator=cpu"]
+         "ppo.epochs=2", "ppo.minibatch_size=2", "ppo.grad_accum=2", "trainer.accelerator=cpu",
+         # RL alone: the default's warm start and KL anchor have tests of their own
+         # (test_warm_start_and_exploration.py, test_group_baselines_and_kl.py, resuming with both in test_training.py)
+         "warm_start.steps=0", "ppo.kl_coef=0"]
 
 
 def config(tmp_path, *overrides):

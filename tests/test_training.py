@@ -106,8 +106,12 @@ def test_an_optimizer_steps_gradient_does_not_depend_on_how_it_is_split(tmp_path
     assert any(float(g.abs().max()) > 1e-6 for g in whole)
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
-    common = ["iterations=4", "eval.every=2"]
+@pytest.mark.parametrize("start", [[], ["warm_start.steps=2", "warm_start.games=4", "ppo.kl_coef=0.1"]],
+                         ids=["rl_alone", "warm_start_and_kl_anchor"])
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, start):
+    """The default's path too (a warm start, then PPO anchored to the warm-started policy): the
+    resumed run neither clones the walkthroughs again nor anchors to the weights it resumed with."""
+    common = ["iterations=4", "eval.every=2", *start]
     straight = cli.train(config(tmp_path / "straight", *common))
     cli.train(config(tmp_path / "split", *common), callbacks=[StopAfter(2)])
     last = tmp_path / "split" / "checkpoints" / "last.ckpt"
@@ -197,6 +201,15 @@ def test_bad_checkpoint_fails_before_training(tmp_path):
     # a missing file names the checkpoints beside it (a warm-start-only run writes no last.ckpt)
     with pytest.raises(cli.CheckpointError, match=r"last.ckpt does not exist.*holds: broken.ckpt\)"):
         cli.train(config(tmp_path, f"ckpt_path={tmp_path / 'last.ckpt'}"))
+
+
+def test_resuming_with_another_kl_anchor_setting_fails_before_training(tmp_path):
+    """A run started without the KL anchor (the default until 68aee23) holds no reference policy:
+    resumed with the anchor, it would anchor to the weights it was built with, so it is refused."""
+    cli.train(config(tmp_path / "run", "iterations=2"), callbacks=[StopAfter(1)])
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    with pytest.raises(cli.CheckpointError, match=r"trained with ppo.kl_coef=0; this run has ppo.kl_coef=0.1"):
+        cli.train(config(tmp_path / "again", "iterations=2", "ppo.kl_coef=0.1", f"ckpt_path={last}"))
 
 
 class Payload:

@@ -22,7 +22,7 @@ from textrl.errors import ConfigError, GameFaultError, GameFileError, NonFiniteE
 from textrl.games.pool import check_games
 from textrl.games.prompt import PromptTooLongError, fit_to_positions
 from textrl.policy.checkpoint import (CheckpointError, check_same_model, frozen_fingerprint, leaves_frozen_weights_out,
-                                      load_policy_weights, read_checkpoint)
+                                      load_policy_weights, read_checkpoint, stored_config)
 from textrl.policy.device import trainer_device
 from textrl.policy.model import ModelNotFoundError, build_policy, steps_left_limit
 from textrl.policy.precision import AUTO_PRECISION_ENV, resolve_auto_precision
@@ -248,6 +248,15 @@ def _resume(cfg: TrainConfig) -> dict | None:
                               f"exactly; textrl-eval and textrl-play still read it{over}")
     check_same_model(cfg, state, f"ckpt_path={cfg.ckpt_path}", "A run resumes with the model and memory options it "
                      f"was trained with (its .hydra/overrides.yaml){over}")
+    # the KL anchor's reference policy is a buffer of the checkpoint, or absent: a run started
+    # without it (ppo.kl_coef=0, the default until 68aee23, 2026-11-28) resumed with it would anchor, silently,
+    # to the weights it is built with instead of its initial policy
+    trained = stored_config(state).ppo.kl_coef
+    if (trained > 0) != (cfg.ppo.kl_coef > 0):
+        raise CheckpointError(f"ckpt_path={cfg.ckpt_path} was trained with ppo.kl_coef={trained:g}; this run has "
+                              f"ppo.kl_coef={cfg.ppo.kl_coef:g}, so its KL anchor's reference policy "
+                              f"{'is not' if trained == 0 else 'is'} in the checkpoint. Resume with "
+                              f"ppo.kl_coef={trained:g} (its .hydra/overrides.yaml){over}")
     cfg.output_dir = str(ckpt.parent.parent)  # the same run directory: logs, checkpoints, transcripts
     log.info("resuming from %s: %d of %d iterations done%s", ckpt, state["textrl"]["iterations_done"],
              cfg.iterations, " (resume=false starts over)" if auto else "")
