@@ -82,11 +82,12 @@ CONFIGS = {
     "rloo": ["env.group_size=4", "ppo.advantage=rloo"],
     # + each turn's return against the group's turns from the same state (GiGPO's step groups)
     "gigpo": ["env.group_size=4", "ppo.advantage=gigpo"],
-    "kl": ["ppo.kl_coef=0.05"],  # KL anchor to the initial policy (measured on RL alone; the default is 0.1 since 2026-11-28)
+    # KL anchor to the initial policy, measured on RL alone (the default is 0.1 since 2026-11-28)
+    "kl": ["ppo.kl_coef=0.05"],
     "explore": ["ppo.explore=0.1"],  # 10 % uniform over each fork's children
     # the recipe's exploration share, x 0.75 each iteration (0.3 falls to 0.02 by the tenth)
     "explore_decay": ["ppo.explore_decay=0.75"],
-    # the default before 2026-11-28: no warm start, rewards from the game's score only
+    # the default until 68aee23 (2026-11-28): no warm start, no anchor, rewards from the game's score only
     "rl_alone": ["warm_start.steps=0", "ppo.kl_coef=0"],
     # the first warm start measured: 2 passes over 64 training walkthroughs (the default: 256), then
     # PPO without the anchor, as measured then and on 2026-11-28 (learn_easy24_rule_warm16_warm_start.json)

@@ -31,7 +31,8 @@ from result import write_result  # bench/result.py (the script directory is on s
 from textrl.cli.train import train
 
 SMALL = ["model=tiny", "env.num_envs=8", "env.pool_size=64", "env.step_workers=2", "eval.games=4",
-         "eval.batch=4", "eval.train_games=0", "eval.before_training=false", "eval.transcripts=0", "memory=none", "warm_start.steps=0", "ppo.kl_coef=0"]
+         "eval.batch=4", "eval.train_games=0", "eval.before_training=false", "eval.transcripts=0", "memory=none",
+         "warm_start.steps=0", "ppo.kl_coef=0"]  # RL alone, the iterations soak.json measured
 
 
 def resident_mb() -> dict[str, float]:

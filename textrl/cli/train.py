@@ -248,9 +248,9 @@ def _resume(cfg: TrainConfig) -> dict | None:
                               f"exactly; textrl-eval and textrl-play still read it{over}")
     check_same_model(cfg, state, f"ckpt_path={cfg.ckpt_path}", "A run resumes with the model and memory options it "
                      f"was trained with (its .hydra/overrides.yaml){over}")
-    # the KL anchor's reference policy is a buffer of the checkpoint, or absent: a run started
-    # without it (ppo.kl_coef=0, the default until 68aee23, 2026-11-28) resumed with it would anchor, silently,
-    # to the weights it is built with instead of its initial policy
+    # the KL anchor's reference policy is a buffer of the checkpoint, or absent: a run started without
+    # it (ppo.kl_coef=0, the default until 68aee23) and resumed with it would anchor, silently, to the
+    # weights it is built with instead of its initial policy
     trained = stored_config(state).ppo.kl_coef
     if (trained > 0) != (cfg.ppo.kl_coef > 0):
         raise CheckpointError(f"ckpt_path={cfg.ckpt_path} was trained with ppo.kl_coef={trained:g}; this run has "
