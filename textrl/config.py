@@ -133,7 +133,8 @@ class EnvConfig:
     # Its first medium run, with one episode per optimizer step too, ended at 0.06 held-out wins
     # (bench/results/learn_medium_issue32_default.json); with the default ppo.grad_accum it learned
     # (RL alone + block_repeats: 0.80 ± 0.02 over three seeds against 0.78 ± 0.03 without, an iteration
-    # 0.72-0.79x; learn_medium12_fewest_dropcache_block_repeats.json). Not measured with the walkthrough recipes
+    # 0.72-0.79x; learn_medium12_fewest_dropcache_block_repeats.json). medium_cpu with it, seed 1: every
+    # held-out game won or lost in the same steps as without (learn_medium_bc256_dropcache_default.json)
     drop_turns_from_cache: bool = False
     list_commands: bool = False  # also list the admissible commands in the prompt
     # repeat the objective at the end of every observation, right before the command (false: in the
