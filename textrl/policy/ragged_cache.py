@@ -18,8 +18,9 @@ history was cut either drops the cut turns (``drop``: the next call's copy moves
 together, so the cache never has holes; ``textrl.policy.stream``) or starts again at length 0 in
 its own stretch.
 
-Attention per row is one SDPA call per row and layer: on a CPU, the cheapest (no padded query or
-key is computed at all). On a GPU that is many small kernels for a wide batch, so there
+Attention per row is one call per row and layer (``textrl.policy.cpu_attention.attend``: SDPA, or
+in bf16 where this CPU runs them faster, plain matrix products): on a CPU, the cheapest (no padded
+query or key is computed at all). On a GPU that is many small kernels for a wide batch, so there
 (``batched``) the rows' queries and keys are gathered into one padded batch with a mask, one SDPA
 call per layer, and the output packed again: the padding then costs attention only (the gathered
 copies, the mask, the padded FLOPs; not measured, no GPU here), while the linear layers still see
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from textrl.policy.cpu_attention import attend
 from textrl.policy.device import ints_to_device
 
 RAGGED = "textrl_ragged"  # the attention implementation a call runs under while it feeds a RaggedCache
@@ -213,10 +215,7 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return out.transpose(1, 2).flatten(0, 1)[call["packed"]][None], None  # [1, tokens, heads, dim]
     outs = []
     for (q0, q1, k0, k1), mask in zip(call["spans"], call["masks"]):
-        q = query[:, :, q0:q1]
-        out = F.scaled_dot_product_attention(q, keys[None, :, k0:k1], values[None, :, k0:k1],
-                                             attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
-        outs.append(out)
+        outs.append(attend(query[:, :, q0:q1], keys[None, :, k0:k1], values[None, :, k0:k1], mask, scaling))
     return torch.cat(outs, dim=2).transpose(1, 2), None
 
 

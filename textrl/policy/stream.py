@@ -34,6 +34,8 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
+from textrl.policy.cpu_attention import attend
+
 
 class Drop(NamedTuple):
     at: int  # the first stream token that no longer sees them
@@ -132,10 +134,13 @@ def stream_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                 key[b: b + 1, :, ranges[0][0]: ranges[0][1]]
             v = torch.cat([value[b: b + 1, :, s:e] for s, e in ranges], dim=2) if len(ranges) > 1 else \
                 value[b: b + 1, :, ranges[0][0]: ranges[0][1]]
+            q = query[b: b + 1, :, q0:q1]
+            if cpu and not dropout:  # as the rollout's calls attend (SDPA, or products where faster in bf16)
+                parts.append(attend(q, k, v, mask, scaling))
+                continue
             if groups > 1 and not cpu:  # CUDA's masked kernels take no grouped heads (see model.sdpa_attention)
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            parts.append(F.scaled_dot_product_attention(query[b: b + 1, :, q0:q1], k, v, attn_mask=mask,
-                                                        dropout_p=dropout, scale=scaling,
+            parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
                                                         enable_gqa=groups > 1 and cpu))
         end = row[-1][1] if row else 0
         if end < width:

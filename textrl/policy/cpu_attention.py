@@ -1,0 +1,137 @@
+"""Attention on a CPU in bf16: torch's fused SDPA kernel, or two matrix products per key/value head,
+whichever this machine runs faster (measured once, cached).
+
+The rollout's calls feed a turn's prompt (a hundred or more new tokens) over a row's cached keys
+(a thousand or more on medium games), and the update's stream blocks do the same. On the AMD EPYC
+of the benchmarks (AVX512-BF16, torch 2.13, 2 threads) the fused kernel runs those in bf16 slower
+than it does in fp32, at about a sixth of the machine's bf16 matrix-product peak: in an untrained
+model's medium rollout attention took half of the time. Plain products -- the scores of the query
+heads that share a key/value head in one ``mm``, the softmax, the probabilities times the values in
+another -- reach the bf16 products' speed (``bench/attention_kernels.py``). Which is faster depends
+on the CPU and torch (in fp32 the fused kernel wins here), so it is measured (``matmul_is_faster``),
+never assumed; fp32 and every other dtype always run the fused kernel.
+
+The products round the scores to bf16 before the softmax, as transformers' eager attention does
+under bf16; the fused kernel keeps them in fp32, so its output is nearer fp32's.
+Queries go in chunks of ``QUERY_CHUNK`` rows, each over the keys it may see, so a long causal block
+skips most of the masked half, as the fused kernel's own blocking does.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+
+import torch
+from torch.nn import functional as F
+
+from textrl.config import default_cache_dir
+from textrl.policy.precision import cpu_model
+
+log = logging.getLogger(__name__)
+
+QUERY_CHUNK = 128
+# the shape the decision is measured on: SmolLM2-135M's heads, a turn's prompt over a medium row
+MEASURE_SHAPE = {"heads": 9, "kv_heads": 3, "dim": 64, "queries": 128, "keys": 1024}
+MEASURE_REPEATS = 5  # best of
+MEASURE_METHOD = "bf16-prompt-block-v1"  # part of the cache key: a new method measures again
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           scale: float | None) -> torch.Tensor:
+    """``query`` [1, heads, m, dim] over ``key``/``value`` [1, kv heads, n, dim] (heads a multiple
+    of kv heads); ``mask`` None (every key seen) or [m, n] bool, bottom-right causal (query i sees
+    the first n - m + i + 1 keys: both callers' masks). Returns [1, heads, m, dim], as SDPA does."""
+    if query.device.type == "cpu" and query.dtype == torch.bfloat16 and matmul_is_faster():
+        return matmul_attention(query, key, value, mask, scale)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float | None, chunk: int = QUERY_CHUNK) -> torch.Tensor:
+    """``attend``'s products (module docstring), for any dtype; differentiable."""
+    _, heads, m, dim = query.shape
+    kv_heads, n = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = dim ** -0.5 if scale is None else scale
+    out = []
+    for c0 in range(0, m, chunk):
+        c1 = min(m, c0 + chunk)
+        seen = n - m + c1  # the chunk's last query sees keys :seen; all of them before n - m + c0
+        per_head = []
+        for h in range(kv_heads):
+            q = query[0, h * groups: (h + 1) * groups, c0:c1].reshape(groups * (c1 - c0), dim) * scale
+            scores = torch.mm(q, key[0, h, :seen].t()).view(groups, c1 - c0, seen)
+            if mask is not None and c1 - c0 > 1:  # only the chunk's own square is causal
+                scores[:, :, n - m + c0:].masked_fill_(~mask[c0:c1, n - m + c0: seen], float("-inf"))
+            probs = torch.softmax(scores.view(groups * (c1 - c0), seen), dim=-1)  # accumulates in fp32
+            per_head.append(torch.mm(probs, value[0, h, :seen]).view(groups, c1 - c0, dim))
+        out.append(torch.cat(per_head))
+    return torch.cat(out, dim=1)[None]
+
+
+def _measure() -> tuple[float, float]:
+    """(fused kernel, products) seconds of one prompt block in bf16 (``MEASURE_SHAPE``), best of
+    ``MEASURE_REPEATS`` after a warm-up; a generator of its own leaves the run's random state alone."""
+    s = MEASURE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, s["heads"], s["queries"], s["dim"], generator=gen).bfloat16()
+    k, v = (torch.randn(1, s["kv_heads"], s["keys"], s["dim"], generator=gen).bfloat16() for _ in range(2))
+    mask = torch.ones(s["queries"], s["keys"], dtype=torch.bool).tril(s["keys"] - s["queries"])
+    best = [float("inf"), float("inf")]
+    kernels = (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+               lambda: matmul_attention(q, k, v, mask, None))
+    with torch.no_grad():
+        for repeat in range(MEASURE_REPEATS + 1):
+            for i, run in enumerate(kernels):
+                start = time.perf_counter()
+                run()
+                if repeat:
+                    best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
+def _cache_key() -> dict:
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "method": MEASURE_METHOD, "shape": MEASURE_SHAPE}
+
+
+@functools.cache
+def matmul_is_faster() -> bool:
+    """Whether the products beat the fused kernel in bf16 on this machine: read from
+    ``<textrl cache>/precision/attention-<key>.json`` (CPU model, torch threads, torch version,
+    method), else measured (a few milliseconds) and kept there. Once per process."""
+    key = _cache_key()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = default_cache_dir() / "precision" / f"attention-{digest}.json"
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] == key:
+            return bool(data["matmul_is_faster"])
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s: unreadable attention decision (%s): measuring again", path, exc)
+    fused, products = _measure()
+    faster = products < fused
+    log.info("bf16 attention on this CPU: the fused SDPA kernel %.2f ms, matrix products %.2f ms a %d x %d block: "
+             "%s (cached in %s)", fused * 1e3, products * 1e3, MEASURE_SHAPE["queries"], MEASURE_SHAPE["keys"],
+             "matrix products" if faster else "the fused kernel", path)
+    data = {"matmul_is_faster": faster, "fused_ms": round(fused * 1e3, 4), "matmul_ms": round(products * 1e3, 4),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "key": key}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=2) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not cache the attention decision in %s (%s): it is measured again next time", path, exc)
+    return faster
