@@ -39,23 +39,33 @@ QUERY_CHUNK = 128
 # the shape the decision is measured on: SmolLM2-135M's heads, a turn's prompt over a medium row
 MEASURE_SHAPE = {"heads": 9, "kv_heads": 3, "dim": 64, "queries": 128, "keys": 1024}
 MEASURE_REPEATS = 5  # best of
-MEASURE_METHOD = "bf16-prompt-block-v1"  # part of the cache key: a new method measures again
+MEASURE_METHOD = "bf16-prompt-block-v2"  # part of the cache key: a new method measures again
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-           scale: float | None) -> torch.Tensor:
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+           mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
     """``query`` [1, heads, m, dim] over ``key``/``value`` [1, kv heads, n, dim] (heads a multiple
-    of kv heads); ``mask`` None (every key seen) or [m, n] bool, bottom-right causal (query i sees
-    the first n - m + i + 1 keys: both callers' masks). Returns [1, heads, m, dim], as SDPA does."""
-    if query.device.type == "cpu" and query.dtype == torch.bfloat16 and matmul_is_faster():
-        return matmul_attention(query, key, value, mask, scale)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+    of kv heads), causal from the bottom right: query i sees the first n - m + i + 1 keys, which
+    ``mask`` ([m, n] bool) or ``is_causal`` (m = n) says to SDPA; a single query sees every key.
+    Returns [1, heads, m, dim], as SDPA does. The products run on a CPU where the computation is
+    bf16: the tensors' dtype, or bf16 autocast (under which the update's queries and keys arrive
+    in fp32, rotated by fp32 cos/sin, and SDPA would cast them)."""
+    if (mask is not None or is_causal or query.shape[2] == 1) and products_run(query):
+        return matmul_attention(*(t.to(torch.bfloat16) for t in (query, key, value)), scale)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale,
                                           enable_gqa=query.shape[1] != key.shape[1])
 
 
-def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float | None, chunk: int = QUERY_CHUNK) -> torch.Tensor:
-    """``attend``'s products (module docstring), for any dtype; differentiable."""
+def products_run(query: torch.Tensor) -> bool:
+    """Whether attention over ``query`` runs the products: on a CPU, in bf16 (the dtype, or bf16
+    autocast), where this machine measured them faster."""
+    return query.device.type == "cpu" and (query.dtype == torch.bfloat16 or (
+        torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)) and matmul_is_faster()
+
+
+def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                     chunk: int = QUERY_CHUNK) -> torch.Tensor:
+    """``attend``'s products (module docstring), bottom-right causal, for any dtype; differentiable."""
     _, heads, m, dim = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -63,15 +73,16 @@ def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = []
     for c0 in range(0, m, chunk):
         c1 = min(m, c0 + chunk)
-        seen = n - m + c1  # the chunk's last query sees keys :seen; all of them before n - m + c0
+        size, seen = c1 - c0, n - m + c1  # the chunk's last query sees keys :seen; all of them before n - m + c0
+        hidden = torch.ones(size, size, dtype=torch.bool, device=query.device).triu(1)  # the chunk's own square
         per_head = []
         for h in range(kv_heads):
-            q = query[0, h * groups: (h + 1) * groups, c0:c1].reshape(groups * (c1 - c0), dim) * scale
-            scores = torch.mm(q, key[0, h, :seen].t()).view(groups, c1 - c0, seen)
-            if mask is not None and c1 - c0 > 1:  # only the chunk's own square is causal
-                scores[:, :, n - m + c0:].masked_fill_(~mask[c0:c1, n - m + c0: seen], float("-inf"))
-            probs = torch.softmax(scores.view(groups * (c1 - c0), seen), dim=-1)  # accumulates in fp32
-            per_head.append(torch.mm(probs, value[0, h, :seen]).view(groups, c1 - c0, dim))
+            q = query[0, h * groups: (h + 1) * groups, c0:c1].reshape(groups * size, dim) * scale
+            scores = torch.mm(q, key[0, h, :seen].t()).view(groups, size, seen)
+            if size > 1:
+                scores[:, :, seen - size:].masked_fill_(hidden, float("-inf"))
+            probs = torch.softmax(scores.view(groups * size, seen), dim=-1)  # sums in fp32
+            per_head.append(torch.mm(probs, value[0, h, :seen]).view(groups, size, dim))
         out.append(torch.cat(per_head))
     return torch.cat(out, dim=1)[None]
 
@@ -86,7 +97,7 @@ def _measure() -> tuple[float, float]:
     mask = torch.ones(s["queries"], s["keys"], dtype=torch.bool).tril(s["keys"] - s["queries"])
     best = [float("inf"), float("inf")]
     kernels = (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-               lambda: matmul_attention(q, k, v, mask, None))
+               lambda: matmul_attention(q, k, v, None))
     with torch.no_grad():
         for repeat in range(MEASURE_REPEATS + 1):
             for i, run in enumerate(kernels):

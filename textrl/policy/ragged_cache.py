@@ -215,7 +215,7 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return out.transpose(1, 2).flatten(0, 1)[call["packed"]][None], None  # [1, tokens, heads, dim]
     outs = []
     for (q0, q1, k0, k1), mask in zip(call["spans"], call["masks"]):
-        outs.append(attend(query[:, :, q0:q1], keys[None, :, k0:k1], values[None, :, k0:k1], mask, scaling))
+        outs.append(attend(query[:, :, q0:q1], keys[None, :, k0:k1], values[None, :, k0:k1], scaling, mask))
     return torch.cat(outs, dim=2).transpose(1, 2), None
 
 

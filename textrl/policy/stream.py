@@ -136,7 +136,7 @@ def stream_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                 value[b: b + 1, :, ranges[0][0]: ranges[0][1]]
             q = query[b: b + 1, :, q0:q1]
             if cpu and not dropout:  # as the rollout's calls attend (SDPA, or products where faster in bf16)
-                parts.append(attend(q, k, v, mask, scaling))
+                parts.append(attend(q, k, v, scaling, mask))
                 continue
             if groups > 1 and not cpu:  # CUDA's masked kernels take no grouped heads (see model.sdpa_attention)
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
