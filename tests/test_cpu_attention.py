@@ -154,3 +154,16 @@ def test_the_updates_forward_of_an_uncut_sequence_runs_the_products_in_bf16(tiny
     with torch.no_grad():
         policy.hidden(ids, None, positions)
     assert not calls
+
+
+def test_a_cache_it_cannot_write_costs_a_warning_and_the_decision_stands(monkeypatch, tmp_path, caplog):
+    blocked = tmp_path / "a file, not a directory"
+    blocked.write_text("")
+    monkeypatch.setenv("TEXTRL_CACHE", str(blocked))
+    monkeypatch.setattr(cpu_attention, "_measure", lambda: (0.002, 0.004))
+    matmul_is_faster.cache_clear()
+    try:
+        assert matmul_is_faster() is False
+    finally:
+        matmul_is_faster.cache_clear()
+    assert "could not cache the attention decision" in caplog.text
