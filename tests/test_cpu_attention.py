@@ -86,12 +86,16 @@ def test_the_decision_is_measured_once_then_read_from_the_cache(monkeypatch, tmp
     try:
         with caplog.at_level("INFO", logger="textrl.policy.cpu_attention"):
             assert matmul_is_faster() is True
-        assert "fused SDPA kernel 4.00 ms, matrix products 2.00 ms" in caplog.text  # both figures, then the choice
+        # one line: the choice and both figures
+        assert "matrix products (measured: the fused SDPA kernel 4.00 ms, matrix products 2.00 ms" in caplog.text
         (path,) = (tmp_path / "precision").glob("attention-*.json")
         assert json.loads(path.read_text())["matmul_is_faster"] is True
-        matmul_is_faster.cache_clear()  # a new process: read back, not measured
+        matmul_is_faster.cache_clear()  # a new process: read back, not measured, and said so
         monkeypatch.setattr(cpu_attention, "_measure", lambda: pytest.fail("measured again"))
-        assert matmul_is_faster() is True
+        caplog.clear()
+        with caplog.at_level("INFO", logger="textrl.policy.cpu_attention"):
+            assert matmul_is_faster() is True
+        assert "matrix products (measured before: the fused SDPA kernel 4.00 ms, matrix products 2.00 ms" in caplog.text
         # an unreadable file is measured again, and replaced
         path.write_text("{")
         matmul_is_faster.cache_clear()

@@ -3,13 +3,14 @@ whichever this machine runs faster (measured once, cached).
 
 The rollout's calls feed a turn's prompt (a hundred or more new tokens) over a row's cached keys
 (a thousand or more on medium games), and the update's stream blocks do the same. On the AMD EPYC
-of the benchmarks (AVX512-BF16, torch 2.13, 2 threads) the fused kernel runs those in bf16 slower
-than it does in fp32, at about a sixth of the machine's bf16 matrix-product peak: in an untrained
-model's medium rollout attention took half of the time. Plain products -- the scores of the query
-heads that share a key/value head in one ``mm``, the softmax, the probabilities times the values in
-another -- reach the bf16 products' speed (``bench/attention_kernels.py``). Which is faster depends
-on the CPU and torch (in fp32 the fused kernel wins here), so it is measured (``matmul_is_faster``),
-never assumed; fp32 and every other dtype always run the fused kernel.
+of the benchmarks (AVX512-BF16, torch 2.13, 2 threads) the fused kernel runs those in bf16 no faster
+than in fp32, far below the machine's bf16 matrix-product peak, while plain products -- the scores of
+the query heads that share a key/value head in one ``mm``, the softmax, the probabilities times the
+values in another -- run at the bf16 products' speed (``bench/attention_kernels.py``). On a medium
+iteration there: rollout 935-965 -> 1,130-1,368 tokens/s, update 135 -> 100 s, the iteration 0.77x
+(``bench/results/medium_attention_ab/``). Which is faster depends on the CPU and torch (in fp32 the
+fused kernel wins there), so it is measured (``matmul_is_faster``), never assumed; fp32, fp16 and
+GPUs always run SDPA.
 
 The products round the scores to bf16 before the softmax, as transformers' eager attention does
 under bf16; the fused kernel keeps them in fp32, so its output is nearer fp32's.
@@ -74,12 +75,13 @@ def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     for c0 in range(0, m, chunk):
         c1 = min(m, c0 + chunk)
         size, seen = c1 - c0, n - m + c1  # the chunk's last query sees keys :seen; all of them before n - m + c0
-        hidden = torch.ones(size, size, dtype=torch.bool, device=query.device).triu(1)  # the chunk's own square
+        # the chunk's own square is causal: the keys after each query's own are hidden
+        hidden = torch.ones(size, size, dtype=torch.bool, device=query.device).triu(1) if size > 1 else None
         per_head = []
         for h in range(kv_heads):
             q = query[0, h * groups: (h + 1) * groups, c0:c1].reshape(groups * size, dim) * scale
             scores = torch.mm(q, key[0, h, :seen].t()).view(groups, size, seen)
-            if size > 1:
+            if hidden is not None:
                 scores[:, :, seen - size:].masked_fill_(hidden, float("-inf"))
             probs = torch.softmax(scores.view(groups * size, seen), dim=-1)  # sums in fp32
             per_head.append(torch.mm(probs, value[0, h, :seen]).view(groups, size, dim))
@@ -124,16 +126,20 @@ def matmul_is_faster() -> bool:
     try:
         data = json.loads(path.read_text())
         if data["key"] == key:
-            return bool(data["matmul_is_faster"])
+            faster = bool(data["matmul_is_faster"])
+            log.info("bf16 attention on this CPU: %s (measured before: the fused SDPA kernel %.2f ms, matrix products "
+                     "%.2f ms; read from %s)", "matrix products" if faster else "the fused kernel",
+                     float(data["fused_ms"]), float(data["matmul_ms"]), path)
+            return faster
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("%s: unreadable attention decision (%s): measuring again", path, exc)
     fused, products = _measure()
     faster = products < fused
-    log.info("bf16 attention on this CPU: the fused SDPA kernel %.2f ms, matrix products %.2f ms a %d x %d block: "
-             "%s (cached in %s)", fused * 1e3, products * 1e3, MEASURE_SHAPE["queries"], MEASURE_SHAPE["keys"],
-             "matrix products" if faster else "the fused kernel", path)
+    log.info("bf16 attention on this CPU: %s (measured: the fused SDPA kernel %.2f ms, matrix products %.2f ms "
+             "a %d x %d block; cached in %s)", "matrix products" if faster else "the fused kernel", fused * 1e3,
+             products * 1e3, MEASURE_SHAPE["queries"], MEASURE_SHAPE["keys"], path)
     data = {"matmul_is_faster": faster, "fused_ms": round(fused * 1e3, 4), "matmul_ms": round(products * 1e3, 4),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "key": key}
     try:
