@@ -146,7 +146,7 @@ def test_the_updates_forward_of_an_uncut_sequence_runs_the_products_in_bf16(tiny
     positions = torch.arange(ids.shape[1])[None]
     calls = []
     real = cpu_attention.matmul_attention
-    monkeypatch.setattr("textrl.policy.model.matmul_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(cpu_attention, "matmul_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     hidden = {}
     for faster in (True, False):
         decided(faster)

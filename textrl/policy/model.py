@@ -29,7 +29,7 @@ from torch import nn
 from textrl.config import ModelConfig, default_cache_dir, load_model_config
 from textrl.policy.device import process_device
 from textrl.policy.memory import apply_memory, quantization_config
-from textrl.policy.cpu_attention import matmul_attention, products_run
+from textrl.policy.cpu_attention import attend, products_run
 from textrl.policy.ragged_cache import UNSUPPORTED, routed_to_ragged
 from textrl.policy.stream import stream_attention
 
@@ -198,8 +198,7 @@ def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     if attention_mask is None and query.shape[0] == 1 and query.shape[2] in (1, key.shape[2]) and not dropout \
             and getattr(module, "is_causal", True) and all(kwargs.get(name) is None for name in UNSUPPORTED) \
             and products_run(query):  # one unpadded causal sequence (the update's forward) in bf16 on a CPU
-        out = matmul_attention(*(t.to(torch.bfloat16) for t in (query, key, value)), scaling)
-        return out.transpose(1, 2).contiguous(), None
+        return attend(query, key, value, scaling, is_causal=query.shape[2] > 1).transpose(1, 2).contiguous(), None
     groups = getattr(module, "num_key_value_groups", 1)
     if query.device.type != "cpu" or groups == 1 or attention_mask is None or query.shape[2] == 1 \
             or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
