@@ -31,8 +31,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from textrl.config import default_cache_dir
-from textrl.policy.precision import cpu_model
+from textrl.policy.precision import cpu_model, precision_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +121,7 @@ def matmul_is_faster() -> bool:
     method), else measured (a few milliseconds) and kept there. Once per process."""
     key = _cache_key()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = default_cache_dir() / "precision" / f"attention-{digest}.json"
+    path = precision_cache_dir() / f"attention-{digest}.json"
     try:
         data = json.loads(path.read_text())
         if data["key"] == key:
