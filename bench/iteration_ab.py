@@ -13,6 +13,12 @@ Writes ``bench/results/iteration_ab.json`` (every round's figures, the median an
 ratio) and each run's file under ``bench/results/iteration_ab/``.
 
     python bench/iteration_ab.py --before ../before --rounds 3 -- env.goal_last=false
+
+``--before-overrides``: the older tree's own overrides where the same run is spelled differently
+there (an experiment renamed since, an option that was then the default), in place of the shared
+ones; both sets are recorded.
+
+    python bench/iteration_ab.py --before ../before --before-overrides "experiment=medium_cpu" -- experiment=medium_rl_cpu
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -51,8 +58,11 @@ def main(argv=None):
     ap.add_argument("--before", required=True, help="a work tree of the older commit")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="bench/results/iteration_ab.json")
+    ap.add_argument("--before-overrides", default=None,
+                    help="the older tree's Hydra overrides, one shell-quoted string, in place of the shared ones")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the training run (both trees)")
     args = ap.parse_args(argv)
+    before_overrides = args.overrides if args.before_overrides is None else shlex.split(args.before_overrides)
     before = Path(args.before).resolve()
     if not (before / "textrl").is_dir():
         raise SystemExit(f"--before {args.before}: no textrl package there; make a work tree of the older "
@@ -67,7 +77,7 @@ def main(argv=None):
         files = {}
         for name, tree in order:
             path = runs_dir / f"round{k + 1}_{name}.json"
-            files[name] = (path, run(tree, path.resolve(), args.overrides))
+            files[name] = (path, run(tree, path.resolve(), before_overrides if name == "before" else args.overrides))
         now, old = files["now"][1], files["before"][1]
         rounds.append({"order": [name for name, _ in order], "now": summary(now), "before": summary(old),
                        "ratio": now["iteration_wall_s_mean"] / old["iteration_wall_s_mean"],
@@ -79,7 +89,8 @@ def main(argv=None):
     for name, target in (("now", "iteration.json"), ("before", "iteration_before.json")):
         (results / target).write_text(Path(rounds[median]["files"][name]).read_text())
     out = {"ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-           "median_round": median + 1, "rounds": rounds, "overrides": args.overrides}
+           "median_round": median + 1, "rounds": rounds, "overrides": args.overrides,
+           "before_overrides": before_overrides}
     write_result(args.out, out, argv)
 
 

@@ -38,6 +38,18 @@ def feed(policy, cache, fed, chunks):
     return out
 
 
+def poison_room(cache):
+    """NaN at every buffer position no row holds (the buffers are left uninitialised there): a call
+    that read any of it would give NaN hidden states."""
+    held = torch.zeros(cache.capacity, dtype=torch.bool)
+    for start, length in zip(cache.starts, cache.lengths):
+        held[start:start + length] = True
+    assert not held.all()  # there is room to poison
+    for store in (cache.keys, cache.values):
+        for buffer in store.values():
+            buffer[:, ~held] = float("nan")
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["per-row", "batched"])
 @torch.no_grad()
 def test_packed_calls_compute_what_each_row_computes_alone(tiny, prompts, easy_games, batched):
@@ -55,6 +67,7 @@ def test_packed_calls_compute_what_each_row_computes_alone(tiny, prompts, easy_g
         chunks = [rows[r][len(fed[r]):len(fed[r]) + k] for r, k in enumerate(sizes)]
         for r, h in enumerate(feed(policy, cache, fed, chunks)):
             got[r].append(h)
+        poison_room(cache)
     assert cache.lengths == [len(f) for f in fed] and len(fed[1]) > 64  # row 1's first stretch was 64 long
     for r in range(3):
         assert torch.allclose(torch.cat(got[r]), alone(policy, fed[r]), atol=1e-5)
@@ -63,6 +76,7 @@ def test_packed_calls_compute_what_each_row_computes_alone(tiny, prompts, easy_g
     cache.select([2, 0])
     fed = [[], fed[0]]
     cache.restart(0)
+    poison_room(cache)  # row 1's old stretch and row 0's old positions too
     held = len(fed[1])
     new = feed(policy, cache, fed, [rows[3][:120], rows[0][held:held + 25]])
     assert cache.lengths == [120, held + 25]

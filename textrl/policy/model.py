@@ -358,8 +358,10 @@ class PolicyValueModel(nn.Module):
         limit = getattr(self.lm.config.get_text_config(), "max_position_embeddings", None)
         return int(limit) if isinstance(limit, int) and limit > 0 else None
 
-    def hidden(self, input_ids, attention_mask, position_ids, past_key_values=None, stream=None):
+    def hidden(self, input_ids, attention_mask, position_ids, past_key_values=None, stream=None, read=None):
         """Last-layer hidden states for every input position, and the updated KV cache (if one is given).
+        ``read``: the positions the caller reads (flat, row x width + column); the others then come
+        back without the last block's MLP (``last_mlp_at``).
 
         ``attention_mask`` covers the cached positions and the new ones; it may have holes (left
         padding), which is why ``position_ids`` are always explicit. ``stream``: the rows are
@@ -372,11 +374,51 @@ class PolicyValueModel(nn.Module):
         that are needed come from ``logits_of`` (a fork's children) or ``logits``.
         """
         extra = {} if stream is None else {"stream": stream}  # passed down to every attention call
-        out = self.lm.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=past_key_values is not None, **extra,
-        )
+        with self.last_mlp_at(read):
+            out = self.lm.get_decoder()(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=past_key_values, use_cache=past_key_values is not None, **extra,
+            )
         return out.last_hidden_state, out.past_key_values
+
+    @contextmanager
+    def last_mlp_at(self, read: torch.Tensor | None):
+        """Inside, the last transformer block's MLP runs at the flat positions ``read`` (each once) only, and
+        adds nothing elsewhere: the hidden states there are then not the model's, and nobody reads them.
+
+        Every other block's output at every position is some later position's key and value; the
+        last block's MLP output is only ever read where a decision reads the hidden state, a few
+        positions of each turn's hundreds. The MLP is three quarters of a block's weights, so where
+        only the top blocks train (``model.trainable_layers``: 6 of SmolLM2's 30) this is about an
+        eighth of the update's forward and backward. An MLP is applied position by position, so the
+        read positions get what the whole MLP gives them. Off (the whole MLP) where ``read`` is None,
+        the last block has no ``mlp`` (OPT), or gradient checkpointing would recompute the block
+        after this context has ended."""
+        mlp = getattr(transformer_blocks(self.lm)[-1], "mlp", None)
+        # transformers 5 renamed is_gradient_checkpointing (which now warns) to is_activation_checkpointing
+        checkpointing = getattr(self.lm, "is_activation_checkpointing", None)  # PEFT's wrapper forwards it
+        if checkpointing is None:
+            checkpointing = getattr(self.lm, "is_gradient_checkpointing", False)
+        if read is None or mlp is None or checkpointing:
+            yield
+            return
+        shape = []
+
+        def gather(module, args):
+            shape.append(args[0].shape)
+            return (args[0].flatten(0, -2)[read][None], *args[1:])
+
+        def scatter(module, args, output):
+            size = shape.pop()  # the input's: [rows, width, hidden], as the output's
+            full = output.new_zeros(size[:-1].numel(), output.shape[-1]).index_copy(0, read, output[0])
+            return full.view(*size[:-1], output.shape[-1])
+
+        hooks = [mlp.register_forward_pre_hook(gather), mlp.register_forward_hook(scatter)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def hidden_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, new, ints=None) -> torch.Tensor:
         """Last-layer hidden states ``[1, tokens, dim]`` of one packed call: ``input_ids`` [1, tokens]

@@ -139,7 +139,9 @@ class RaggedCache:
         if "relayout_src" in ints:  # rows moved to their new stretches
             for store in (self.keys, self.values):
                 for layer, old in store.items():
-                    moved = old.new_zeros(old.shape[0], sum(call.room), old.shape[2])
+                    # uninitialised: every position a call reads is written first (kept rows here, new tokens in
+                    # ``append``); the room to grow is never read (tests/test_ragged_cache.py fills it with NaN)
+                    moved = old.new_empty(old.shape[0], sum(call.room), old.shape[2])
                     moved[:, ints["relayout_dst"]] = old[:, ints["relayout_src"]]
                     store[layer] = moved
             self.capacity = sum(call.room)
@@ -180,8 +182,8 @@ class RaggedCache:
             # A cache lives within one autocast context: one rollout, one evaluation
             device = key.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key.dtype
-            self.keys[layer] = key.new_zeros(key.shape[0], self.capacity, key.shape[2], dtype=dtype)
-            self.values[layer] = value.new_zeros(value.shape[0], self.capacity, value.shape[2], dtype=dtype)
+            self.keys[layer] = key.new_empty(key.shape[0], self.capacity, key.shape[2], dtype=dtype)
+            self.values[layer] = value.new_empty(value.shape[0], self.capacity, value.shape[2], dtype=dtype)
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(1, self._call["dest"], key.to(keys.dtype))
         values.index_copy_(1, self._call["dest"], value.to(values.dtype))

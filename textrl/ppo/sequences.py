@@ -184,6 +184,8 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
         "ids": [t for s in batch for t in s.input_ids + [pad_id] * (width - len(s.input_ids))],
         "lengths": lengths,
         "at": [r * width + c for r, s in enumerate(batch) for c in s.positions],  # the hidden state each decision reads
+        # each of those once: the last block's MLP runs there only (PolicyValueModel.last_mlp_at)
+        "read": sorted({r * width + c for r, s in enumerate(batch) for c in s.positions}),
         "chosen": [a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))],
         "decisions": [k for s in batch for k in s.decisions],
         **fork_parts(allowed)}, device)
@@ -196,6 +198,7 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
         mask, extra = None, {"stream": StreamLayout.of([(len(s.input_ids), s.drops) for s in batch], device)}
     else:
         mask, extra = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None, {}
+    extra["read"] = ints["read"]
     if prefix is None:
         hidden, _ = policy.hidden(ids, mask, positions, **extra)
     elif all(prefix.outputs[s.index] is not None for s in batch):
