@@ -32,7 +32,7 @@ def train_config(overrides: list[str], output_dir: str = "unused"):
         import torch
 
         from textrl.policy.device import trainer_device
-        from textrl.policy.model import build_policy, steps_left_limit
+        from textrl.policy.model import build_policy
         from textrl.policy.precision import resolve_auto_precision
 
         threads = torch.get_num_threads()
@@ -40,8 +40,12 @@ def train_config(overrides: list[str], output_dir: str = "unused"):
             torch.set_num_threads(cfg.threads)
         try:
             device = trainer_device(cfg.trainer)
-            policy, _ = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device,
-                                     steps_left_limit(cfg))
+            try:  # an older tree may predate ppo.value_steps_left: its policy takes no value limit
+                from textrl.policy.model import steps_left_limit
+                limit = (steps_left_limit(cfg),)
+            except ImportError:
+                limit = ()
+            policy, _ = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device, *limit)
             choice = resolve_auto_precision(cfg, policy, device)
             print(f"memory={cfg.memory.name}: {choice.describe()}", flush=True)
         finally:
