@@ -38,8 +38,9 @@ run's threads (``--peak measure``, the default: one run is self-consistent), or 
 * update: the forwards of the recompute of the old log-probs and of the KL reference, and the epochs'
   forward + backward, over each training sequence (c = its position in the sequence + 1); a forward
   that replays the frozen blocks' recorded output (``ppo.cache_frozen``) runs -- and counts -- the
-  blocks above them only. FLOP/s of the epochs over ``perf/update_s``, and of all of it over
-  update + recompute + reference.
+  blocks above them only, and the last block's MLP only at the positions a decision reads
+  (``PolicyValueModel.last_mlp_at``; older commits everywhere). FLOP/s of the epochs over
+  ``perf/update_s``, and of all of it over update + recompute + reference.
 
 The tokens and contexts are counted exactly, in this process: during each training iteration (not the
 evaluation) the decoder's packed call (``ConstrainedDecoder._feed``) and the update's forward
@@ -160,7 +161,9 @@ def bounds(cfg, reps: int, rollout_rows: int, length: int) -> dict:
         # commits since the rollout records the frozen output (ConstrainedDecoder.capture): no pass
         # of the update runs the frozen blocks
         out["rollout_records_frozen"] = hasattr(ConstrainedDecoder(policy), "capture") and cfg.ppo.cache_frozen
-    out["model_flops"] = asdict(ModelFlops.of(policy.lm))
+    # commits since the update's forwards run the last block's MLP at the read positions only
+    skips = hasattr(type(policy), "last_mlp_at") and not getattr(cfg.memory, "grad_ckpt", False)
+    out["model_flops"] = asdict(ModelFlops.of(policy.lm, skips))
     del policy
     return out
 
@@ -187,9 +190,12 @@ class ModelFlops:
     trainable: list[int]
     attention: list[int]
     lowest_trainable: int  # the lowest block a backward reaches (0: the embedding trains; len(linear): none)
+    # the last block's MLP, which the update's forwards run at the read positions only (0: they run it everywhere)
+    last_mlp: int = 0
+    last_mlp_trainable: int = 0
 
     @classmethod
-    def of(cls, lm: nn.Module) -> "ModelFlops":
+    def of(cls, lm: nn.Module, skips_last_mlp: bool = False) -> "ModelFlops":
         blocks = blocks_of(lm)
         config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
         heads = config.num_attention_heads
@@ -206,7 +212,10 @@ class ModelFlops:
                 lowest = in_block.get(id(p), len(blocks) if seen_blocks else 0)
                 break
             seen_blocks = seen_blocks or id(p) in in_block
-        return cls(linear, trainable, [width] * len(blocks), lowest)
+        mlp = getattr(blocks[-1], "mlp", None) if skips_last_mlp else None
+        layers = [m for m in mlp.modules() if linear_weights(m)] if mlp is not None else []
+        return cls(linear, trainable, [width] * len(blocks), lowest, sum(linear_weights(m) for m in layers),
+                   sum(linear_weights(m) for m in layers if m.weight.requires_grad))
 
     def forward(self, tokens: float, keys: float, first_block: int = 0) -> float:
         """FLOPs of a forward through the blocks from ``first_block`` up over ``tokens`` tokens that
@@ -218,6 +227,11 @@ class ModelFlops:
         start = self.lowest_trainable
         return sum(2 * (w + t) * tokens + 8 * a * keys
                    for w, t, a in zip(self.linear[start:], self.trainable[start:], self.attention[start:]))
+
+    def skipped(self, unread: float, backward: bool) -> float:
+        """FLOPs the update's forward (and its backward) leaves out at ``unread`` positions: the last
+        block's MLP (``PolicyValueModel.last_mlp_at``)."""
+        return 2 * self.last_mlp * unread + (2 * (self.last_mlp + self.last_mlp_trainable) * unread if backward else 0)
 
 
 class Counts:
@@ -231,12 +245,14 @@ class Counts:
         self.phase = "update"
         self.error: str | None = None
 
-    def add(self, phase: str, tokens: int, keys: int, replayed: bool = False) -> None:
+    def add(self, phase: str, tokens: int, keys: int, replayed: bool = False, read: int | None = None) -> None:
         if self.current is None:  # outside a training step: the evaluation, the warm start
             return
-        c = self.current.setdefault(phase, {"tokens": 0, "keys": 0, "replayed_tokens": 0, "replayed_keys": 0})
+        c = self.current.setdefault(phase, {"tokens": 0, "keys": 0, "replayed_tokens": 0, "replayed_keys": 0,
+                                            "read_tokens": 0})
         c["tokens"] += tokens
         c["keys"] += keys
+        c["read_tokens"] += tokens if read is None else read  # the positions a decision reads (the update's)
         if replayed:
             c["replayed_tokens"] += tokens
             c["replayed_keys"] += keys
@@ -273,7 +289,8 @@ class Counts:
                     prefix = args[1] if len(args) > 1 else kwargs.get("prefix")
                     replayed = prefix is not None and all(prefix.outputs[s.index] is not None for s in batch)
                     lengths = [len(s.input_ids) for s in batch]
-                    counts.add(counts.phase, sum(lengths), sum(attended_keys(s) for s in batch), replayed)
+                    counts.add(counts.phase, sum(lengths), sum(attended_keys(s) for s in batch), replayed,
+                               read=sum(len(set(s.positions)) for s in batch))
                 return original(policy, batch, *args, **kwargs)
             return wrapper
 
@@ -373,6 +390,7 @@ def achieved(it: dict, counts: dict | None, model: ModelFlops, n_frozen: int, pe
         if c is None:
             continue
         flops = forward(c) + (model.backward(c["tokens"], c["keys"]) if phase == "update" else 0.0)
+        flops -= model.skipped(c["tokens"] - c.get("read_tokens", c["tokens"]), backward=phase == "update")
         out[phase] = {**described(c, flops), "rate": rate(flops, it.get(key))}
         total, seconds = total + flops, seconds + (it.get(key) or 0.0)
     if "update" in out:

@@ -113,6 +113,12 @@ def test_flops_of_the_tiny_model_from_its_config():
     forward = 2 * (2 * W * T + 4 * A * KEYS)  # 2 blocks: 1,502,720
     assert flops.forward(T, KEYS) == forward == 1_502_720
     assert flops.backward(T, KEYS) == 2 * forward  # trainable blocks: input and weight gradients
+    # the update's forwards run the last block's MLP (gate, up 64x128, down 128x64) at the read positions only
+    mlp = 3 * 64 * 128
+    skipping = ModelFlops.of(policy.lm, skips_last_mlp=True)
+    assert (skipping.last_mlp, skipping.last_mlp_trainable) == (mlp, mlp) and (flops.last_mlp, flops.last_mlp_trainable) == (0, 0)
+    assert skipping.skipped(T - 2, backward=False) == 2 * mlp * (T - 2)
+    assert skipping.skipped(T - 2, backward=True) == (2 + 4) * mlp * (T - 2)  # and its input and weight gradients
 
     top, _ = _tiny(trainable_layers=1)  # block 0 frozen under block 1: no backward reaches it
     flops = ModelFlops.of(top.lm)
@@ -151,7 +157,8 @@ def test_counted_tokens_and_keys_of_the_decoders_calls_and_the_updates_forward()
         sequences = [TrainingSequence(0, 0, list(range(300, 310)), [9], [[201, 202]], [201]),
                      TrainingSequence(1, 1, list(range(300, 306)), [5], [[201, 202]], [202])]
         update_module.decision_forward(policy, sequences, tokenizer.pad_token_id)
-        assert counts.current["update"] == {"tokens": 16, "keys": 55 + 21, "replayed_tokens": 0, "replayed_keys": 0}
+        assert counts.current["update"] == {"tokens": 16, "keys": 55 + 21, "replayed_tokens": 0, "replayed_keys": 0,
+                                            "read_tokens": 2}  # one decision each
     assert ConstrainedDecoder._feed is original  # put back
 
 
