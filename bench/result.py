@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import platform
+import shlex
 import sys
 from pathlib import Path
 
 
 def command(argv) -> str:
     """The command line that reproduces this run (argv as given to main(), or the real one)."""
-    return "python " + " ".join([sys.argv[0]] + list(argv if argv is not None else sys.argv[1:]))
+    return "python " + shlex.join([sys.argv[0]] + list(argv if argv is not None else sys.argv[1:]))  # quoted as typed
 
 
 def cpu_model() -> str:

@@ -390,7 +390,7 @@ class PolicyValueModel(nn.Module):
         last block's MLP output is only ever read where a decision reads the hidden state, a few
         positions of each turn's hundreds. The MLP is three quarters of a block's weights, so where
         only the top blocks train (``model.trainable_layers``: 6 of SmolLM2's 30) this is about an
-        eighth of the update's forward and backward. An MLP is applied position by position, so the
+        eighth of the linear FLOPs of the update's forward and backward. An MLP is applied position by position, so the
         read positions get what the whole MLP gives them. Off (the whole MLP) where ``read`` is None,
         the last block has no ``mlp`` (OPT), or gradient checkpointing would recompute the block
         after this context has ended."""
@@ -405,11 +405,16 @@ class PolicyValueModel(nn.Module):
         shape = []
 
         def gather(module, args):
+            if not args:  # an architecture that passes its MLP's input by keyword: the whole MLP
+                shape.append(None)
+                return None
             shape.append(args[0].shape)
             return (args[0].flatten(0, -2)[read][None], *args[1:])
 
         def scatter(module, args, output):
             size = shape.pop()  # the input's: [rows, width, hidden], as the output's
+            if size is None:
+                return None
             full = output.new_zeros(size[:-1].numel(), output.shape[-1]).index_copy(0, read, output[0])
             return full.view(*size[:-1], output.shape[-1])
 
