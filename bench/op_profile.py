@@ -20,7 +20,10 @@ outgrew 24 GB, so the default profiles a reduced iteration (4 games of at most 1
 not the seconds, are what compares with ``iteration.json``. The profiler's own overhead inflates
 small ops (a few microseconds each), so ``other`` and ``copies`` read high.
 
-    python bench/profile.py -- experiment=medium_rl_cpu env.drop_turns_from_cache=true
+    python bench/op_profile.py -- experiment=medium_rl_cpu env.drop_turns_from_cache=true
+
+(Not ``profile.py``: the script directory is on ``sys.path``, and that name would shadow the
+standard library's ``profile`` module, which ``cProfile`` and so torch import, for every script here.)
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def classify(events, weights: set[tuple[int, int]]) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="profile the overrides' own games and steps, not the reduced iteration")
-    ap.add_argument("--out", default="bench/results/profile.json")
+    ap.add_argument("--out", default="bench/results/op_profile.json")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of train.py")
     args = ap.parse_args(argv)
 
