@@ -152,15 +152,17 @@ def main(argv=None):
     overrides = [*args.overrides, *([] if args.full else REDUCED), "iterations=1", "eval.before_training=false",
                  "eval.games=1", "eval.train_games=0", "warm_start.steps=0"]
     with tempfile.TemporaryDirectory(prefix="textrl_profile_") as run_dir:
+        cfg = train_config(overrides, output_dir=run_dir)  # memory=auto resolved here, as train resolves it
         try:
-            train(train_config(overrides, output_dir=run_dir))
+            train(cfg)
         except Stop:
             pass
         finally:
             update.PPOUpdate.run, rollout.decode_episodes = original_run, original_decode
     if set(phases) != {"rollout", "update"}:
         raise SystemExit(f"profiled {sorted(phases)}: the run ended before a rollout and an update")
-    out = {"phases": phases, "overrides": overrides, "reduced": not args.full, "torch": torch.__version__,
+    out = {"phases": phases, "overrides": overrides, "reduced": not args.full, "precision": cfg.memory.precision,
+           "torch": torch.__version__,
            "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine()}
     write_result(args.out, out, argv, show={p: {k: v for k, v in d.items() if k != "top_ops"} for p, d in phases.items()})
 
