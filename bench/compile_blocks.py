@@ -14,12 +14,16 @@ embedding, casts), which a compiler can fuse into fewer passes over memory. This
   autocast dtype as in the rollout (the rollout's own calls go through the ragged KV cache, which
   is not compiled here; this is the same blocks' arithmetic on a prompt-sized block).
 
-Variants, each on a freshly built model: ``eager``; ``mlp_norms`` (each block's MLP and its two
-norms compiled: the SwiGLU and RMSNorm elementwise chains fused); ``blocks`` (each block compiled
-whole, attention included). ``first_s`` is the first call (compilation included); ``best_s`` the
-best of ``--repeats`` after it; ``max_abs_diff`` the largest deviation of the last hidden states
-from eager's, beside eager's largest hidden value (``eager_max_abs``). Shapes are fixed here, so no recompilation is counted: a run's sequences vary in
-length, which costs recompiles (or dynamic-shape kernels) this does not measure.
+Variants, each on a freshly built model: ``eager``; ``memory_compile`` (what ``memory.compile=true``
+runs, ``textrl.policy.compiled.compile_blocks``: each block's MLP and norms compiled with dynamic
+shapes, the SwiGLU and RMSNorm elementwise chains fused); ``mlp_norms_static`` (the same parts,
+kernels specialised to the one length timed here: a best case a run cannot have, whose lengths
+change at nearly every call); ``blocks`` (each block compiled whole, attention included, specialised
+too). ``first_s`` is the first call (compilation included; inductor's on-disk cache makes a
+repeated run's first calls shorter); ``best_s`` the best of ``--repeats`` after it;
+``max_abs_diff`` the largest deviation of the last hidden states from eager's, beside eager's
+largest hidden value (``eager_max_abs``). The variants run in ``--rounds`` rounds, in alternating
+order; ``vs_eager`` is a round's ratio to that round's eager, and ``summary`` the median over rounds.
 
     python bench/compile_blocks.py      # writes bench/results/compile_blocks.json
 """
@@ -29,26 +33,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import platform
+import statistics
 import time
 
 import torch
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import load_model_config
+from textrl.policy.compiled import compile_blocks, compiled_parts
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import build_policy, transformer_blocks
 from textrl.policy.precision import AUTOCAST_DTYPES, choose_precision
 
-VARIANTS = ("eager", "mlp_norms", "blocks")
+VARIANTS = ("eager", "memory_compile", "mlp_norms_static", "blocks")
 
 
-def compiled(policy, variant: str, blocks) -> None:
-    for block in blocks:
-        if variant == "blocks":
+def compiled(variant: str, blocks) -> None:
+    if variant == "memory_compile":
+        compile_blocks(blocks)
+    elif variant == "mlp_norms_static":
+        for _, part in compiled_parts(blocks):
+            part.forward = torch.compile(part.forward)
+    elif variant == "blocks":
+        for block in blocks:
             block.compile()
-        elif variant == "mlp_norms":
-            for name in ("mlp", "input_layernorm", "post_attention_layernorm"):
-                getattr(block, name).compile()
 
 
 def measure(variant: str, phase: str, tokens: int, repeats: int, precision: str) -> dict:
@@ -64,7 +72,7 @@ def measure(variant: str, phase: str, tokens: int, repeats: int, precision: str)
         with torch.no_grad(), autocast(), prefix.record() as recorded:
             policy.hidden(ids, mask, pos)
         frozen_out = prefix.recorded_output(recorded)
-        compiled(policy, variant, transformer_blocks(policy.lm)[prefix.n_frozen:])
+        compiled(variant, transformer_blocks(policy.lm)[prefix.n_frozen:])
 
         def run():
             policy.zero_grad(set_to_none=True)
@@ -74,7 +82,7 @@ def measure(variant: str, phase: str, tokens: int, repeats: int, precision: str)
             loss.backward()
             return hidden.detach()
     else:
-        compiled(policy, variant, transformer_blocks(policy.lm))
+        compiled(variant, transformer_blocks(policy.lm))
 
         def run():
             with torch.no_grad(), autocast(), policy.frozen_linears_in_autocast_dtype():
@@ -95,28 +103,39 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="bench/results/compile_blocks.json")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     policy, _ = build_policy(load_model_config("smollm2"))
     choice = choose_precision(policy, "cpu")
     del policy
-    rows = []
+    rows, summary = [], []
     for phase in ("update", "forward"):
         for tokens in args.tokens:
-            eager = None  # the first variant's row and hidden states
-            for variant in VARIANTS:
-                row = measure(variant, phase, tokens, args.repeats, choice.precision)
-                hidden = row.pop("hidden")
-                eager = eager or (row, hidden)
-                row["max_abs_diff"] = float((hidden - eager[1]).abs().max())
-                row["eager_max_abs"] = float(eager[1].abs().max())
-                row["vs_eager"] = round(row["best_s"] / eager[0]["best_s"], 3)
-                rows.append(row)
-                print(row, flush=True)
-    write_result(args.out, {"rows": rows, "precision": choice.precision, "precision_how": choice.describe(),
+            ratios = {variant: [] for variant in VARIANTS}
+            for round_ in range(args.rounds):
+                done = {}  # variant -> (row, hidden states)
+                for variant in VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]:
+                    row = measure(variant, phase, tokens, args.repeats, choice.precision)
+                    done[variant] = (row, row.pop("hidden"))
+                    row["round"] = round_ + 1
+                eager_row, eager_hidden = done["eager"]
+                for variant in VARIANTS:
+                    row, hidden = done[variant]
+                    row["max_abs_diff"] = float((hidden - eager_hidden).abs().max())
+                    row["eager_max_abs"] = float(eager_hidden.abs().max())
+                    row["vs_eager"] = round(row["best_s"] / eager_row["best_s"], 3)
+                    ratios[variant].append(row["vs_eager"])
+                    rows.append(row)
+                    print(row, flush=True)
+            summary += [{"phase": phase, "tokens": tokens, "variant": variant,
+                         "vs_eager_median": statistics.median(ratios[variant]), "vs_eager": ratios[variant]}
+                        for variant in VARIANTS[1:]]
+    write_result(args.out, {"summary": summary, "rows": rows, "precision": choice.precision,
+                            "precision_how": choice.describe(),
                             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                            "machine": platform.machine()}, argv)
+                            "machine": platform.machine()}, argv, show={"summary": summary})
 
 
 if __name__ == "__main__":
