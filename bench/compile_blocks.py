@@ -14,16 +14,18 @@ embedding, casts), which a compiler can fuse into fewer passes over memory. This
   autocast dtype as in the rollout (the rollout's own calls go through the ragged KV cache, which
   is not compiled here; this is the same blocks' arithmetic on a prompt-sized block).
 
-Variants, each on a freshly built model: ``eager``; ``memory_compile`` (what ``memory.compile=true``
-runs, ``textrl.policy.compiled.compile_blocks``: each block's MLP and norms compiled with dynamic
-shapes, the SwiGLU and RMSNorm elementwise chains fused); ``mlp_norms_static`` (the same parts,
-kernels specialised to the one length timed here: a best case a run cannot have, whose lengths
-change at nearly every call); ``blocks`` (each block compiled whole, attention included, specialised
-too). ``first_s`` is the first call (compilation included; inductor's on-disk cache makes a
-repeated run's first calls shorter); ``best_s`` the best of ``--repeats`` after it;
-``max_abs_diff`` the largest deviation of the last hidden states from eager's, beside eager's
-largest hidden value (``eager_max_abs``). The variants run in ``--rounds`` rounds, in alternating
-order; ``vs_eager`` is a round's ratio to that round's eager, and ``summary`` the median over rounds.
+Variants, each on a freshly built model: ``eager``; ``mlp_norms_dynamic`` (each block's children
+but its attention -- Llama's MLP and two RMSNorms -- compiled with dynamic shapes, as a trainer
+option would have to: the rollout's packed calls and the update's sequences have a new length at
+nearly every call; the SwiGLU and RMSNorm elementwise chains fused); ``mlp_norms_static`` (the same
+parts, kernels specialised to the one length timed here: a best case a run cannot have);
+``blocks_static`` (each block compiled whole, attention included, specialised too);
+``blocks_dynamic`` (whole blocks, dynamic shapes). ``first_s`` is the first call (compilation
+included; inductor's on-disk cache makes a repeated run's first calls shorter); ``best_s`` the best
+of ``--repeats`` after it; ``max_abs_diff`` the largest deviation of the last hidden states from
+eager's, beside eager's largest hidden value (``eager_max_abs``). The variants run in ``--rounds``
+rounds, in alternating order; ``vs_eager`` is a round's ratio to that round's eager, and
+``summary`` the median over rounds. Inductor needs a C++ compiler here (g++ on these machines).
 
     python bench/compile_blocks.py      # writes bench/results/compile_blocks.json
 """
@@ -40,23 +42,23 @@ import torch
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import load_model_config
-from textrl.policy.compiled import compile_blocks, compiled_parts
 from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import build_policy, transformer_blocks
 from textrl.policy.precision import AUTOCAST_DTYPES, choose_precision
 
-VARIANTS = ("eager", "memory_compile", "mlp_norms_static", "blocks")
+VARIANTS = ("eager", "mlp_norms_dynamic", "mlp_norms_static", "blocks_static", "blocks_dynamic")
 
 
 def compiled(variant: str, blocks) -> None:
-    if variant == "memory_compile":
-        compile_blocks(blocks)
-    elif variant == "mlp_norms_static":
-        for _, part in compiled_parts(blocks):
-            part.forward = torch.compile(part.forward)
-    elif variant == "blocks":
-        for block in blocks:
-            block.compile()
+    dynamic = True if variant.endswith("_dynamic") else None  # None: specialised to the first shapes
+    for block in blocks:
+        if variant.startswith("blocks"):
+            block.compile(dynamic=dynamic)
+        elif variant.startswith("mlp_norms"):
+            for child in block.children():
+                if "attention" not in type(child).__name__.lower():  # LlamaAttention stays eager
+                    # an instance attribute: the module's hooks stay outside the compiled code
+                    child.forward = torch.compile(child.forward, dynamic=dynamic)
 
 
 def measure(variant: str, phase: str, tokens: int, repeats: int, precision: str) -> dict:
@@ -103,7 +105,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="bench/results/compile_blocks.json")
     args = parser.parse_args(argv)
     torch.manual_seed(0)

@@ -28,7 +28,6 @@ from torch import nn
 
 from textrl.config import ModelConfig, default_cache_dir, load_model_config
 from textrl.policy.device import process_device
-from textrl.policy.compiled import check_compiler, compile_blocks
 from textrl.policy.memory import apply_memory, quantization_config
 from textrl.policy.cpu_attention import attend, products_run
 from textrl.policy.ragged_cache import UNSUPPORTED, routed_to_ragged
@@ -537,9 +536,6 @@ def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | P
         freeze_below_top_layers(lm, cfg.trainable_layers)
     if memory is not None:
         lm = apply_memory(lm, memory)
-    if memory is not None and memory.compile:
-        check_compiler(device if device is not None else process_device())
-        compile_blocks(transformer_blocks(lm))
     policy = PolicyValueModel(lm, cfg.value_hidden, -step_penalty, cfg.detach_value, value_limit)
     if quantization is not None:  # the LM was loaded onto its device: the value head joins it
         policy.value_head.to(next(lm.parameters()).device)
