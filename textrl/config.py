@@ -279,9 +279,6 @@ class MemoryConfig:
     lora_alpha: int = 32
     lora_targets: Optional[list[str]] = None  # None: the model family's default (textrl.policy.memory)
     quantize_4bit: bool = False  # QLoRA: 4-bit base weights via bitsandbytes (CUDA or CPU; a pretrained model)
-    # torch.compile of the trainable blocks for the update's forwards and backwards, attention left
-    # eager (textrl.policy.compiled): seconds to compile at start; a C++ compiler on a CPU
-    compile: bool = False
 
 
 @dataclass

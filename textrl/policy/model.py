@@ -28,7 +28,6 @@ from torch import nn
 
 from textrl.config import ModelConfig, default_cache_dir, load_model_config
 from textrl.policy.device import process_device
-from textrl.policy.compiled import check_compiler, compile_trainable_blocks
 from textrl.policy.memory import apply_memory, quantization_config
 from textrl.policy.cpu_attention import attend, products_run
 from textrl.policy.ragged_cache import UNSUPPORTED, routed_to_ragged
@@ -216,9 +215,7 @@ def register_attention() -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    # never traced by torch.compile (memory.compile): its Python loops over heads, query chunks and a
-    # stream's turns would be unrolled and specialised per sequence (textrl.policy.compiled)
-    AttentionInterface.register(SDPA, torch.compiler.disable(sdpa_attention))
+    AttentionInterface.register(SDPA, sdpa_attention)
     AttentionMaskInterface.register(SDPA, sdpa_mask)
 
 
@@ -347,7 +344,6 @@ class PolicyValueModel(nn.Module):
         self.lm = lm
         self.value_head = ValueHead(lm.config.get_text_config().hidden_size, value_hidden, value_bias, value_limit)
         self.detach_value = detach_value
-        self.compiled_blocks: list[int] = []  # memory.compile: the blocks that run compiled with gradients
 
     def new_cache(self):
         from transformers import DynamicCache  # slow import: see load_lm
@@ -396,15 +392,14 @@ class PolicyValueModel(nn.Module):
         only the top blocks train (``model.trainable_layers``: 6 of SmolLM2's 30) this is about an
         eighth of the linear FLOPs of the update's forward and backward. An MLP is applied position by position, so the
         read positions get what the whole MLP gives them. Off (the whole MLP) where ``read`` is None,
-        the last block has no ``mlp`` (OPT), gradient checkpointing would recompute the block
-        after this context has ended, or the block is compiled (``memory.compile``: the hooks, new at
-        every call, would recompile it every time)."""
+        the last block has no ``mlp`` (OPT), or gradient checkpointing would recompute the block
+        after this context has ended."""
         mlp = getattr(transformer_blocks(self.lm)[-1], "mlp", None)
         # transformers 5 renamed is_gradient_checkpointing (which now warns) to is_activation_checkpointing
         checkpointing = getattr(self.lm, "is_activation_checkpointing", None)  # PEFT's wrapper forwards it
         if checkpointing is None:
             checkpointing = getattr(self.lm, "is_gradient_checkpointing", False)
-        if read is None or mlp is None or checkpointing or self.compiled_blocks:
+        if read is None or mlp is None or checkpointing:
             yield
             return
         shape = []
@@ -542,9 +537,6 @@ def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | P
     if memory is not None:
         lm = apply_memory(lm, memory)
     policy = PolicyValueModel(lm, cfg.value_hidden, -step_penalty, cfg.detach_value, value_limit)
-    if memory is not None and memory.compile:
-        check_compiler(device if device is not None else process_device())
-        policy.compiled_blocks = compile_trainable_blocks(transformer_blocks(lm))
     if quantization is not None:  # the LM was loaded onto its device: the value head joins it
         policy.value_head.to(next(lm.parameters()).device)
     return policy, tokenizer
