@@ -1,5 +1,8 @@
 """What ``torch.compile`` of the transformer blocks would buy on this CPU: the lever issue 32's
-profile (``bench/op_profile.py``) points at, measured before building it into the trainer.
+profile (``bench/op_profile.py``) points at, measured before building it into the trainer. (A
+trainer option built on the best variant here -- the trainable blocks compiled whole for the
+update -- gained nothing measurable in a whole medium iteration and was reverted: docs/results.md,
+"torch.compile of the blocks".)
 
 The profile says a third of a medium iteration's model time is matrix products running near the
 machine's peak and the rest is non-matmul work (softmax, SiLU and multiplies, norms, rotary
