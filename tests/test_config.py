@@ -110,14 +110,38 @@ def test_auto_precision_is_measured_on_a_cpu_and_native_bf16_on_a_gpu(monkeypatc
         assert (gpu.memory.precision, gpu.ppo.recompute_old) == (("bf16-mixed", True) if native else ("32-true", False))
 
 
+# The RL-alone medium recipe's values before 2026-11-29, when it took the measured one-pass setting:
+# the runs named before then are the file with these (conf/experiment/medium_rl_cpu.yaml says so).
+MEDIUM_RL_BEFORE_2026_11_29 = ["env.block_repeats=false", "env.drop_turns_from_cache=false", "ppo.epochs=2",
+                               "ppo.lr_lm=1e-4", "ppo.lr_lm_min=1e-5", "ppo.lr_value=1e-3",
+                               "eval.games=32", "eval.train_games=16"]
+
+
+def test_the_rl_alone_medium_recipe_is_its_measured_run():
+    """experiment=medium_rl_cpu is the run whose figures its file and the README give for it
+    (bench/results/learn_medium12_fewest_dropcache_epochs1_lr2_block_repeats.json, its recorded
+    config), and the documented command for the file before 2026-11-29 is that file."""
+    measured = json.loads((ROOT / "bench/results/learn_medium12_fewest_dropcache_epochs1_lr2_block_repeats.json").read_text())
+    recipe = OmegaConf.to_container(OmegaConf.structured(compose_train(["experiment=medium_rl_cpu"])))
+    recipe["env"]["decode_groups"] = None  # decided for the machine at start; the file holds the setting
+    for run in measured["runs"]:
+        recorded = {k: v for k, v in run["resolved"].items() if k != "curriculum_replay_without_stages"}
+        assert {k: recipe[k] for k in recorded} == recorded, run["seed"]
+    before = compose_train(["experiment=medium_rl_cpu", *MEDIUM_RL_BEFORE_2026_11_29])
+    assert (before.env.block_repeats, before.env.drop_turns_from_cache, before.ppo.epochs) == (False, False, 2)
+    plain = compose_train()  # the defaults (conf/ppo/cpu.yaml's rates) that the file left alone before then
+    assert (before.ppo.lr_lm, before.ppo.lr_lm_min, before.ppo.lr_value) == (plain.ppo.lr_lm, plain.ppo.lr_lm_min, plain.ppo.lr_value)
+    assert (before.eval.games, before.eval.train_games) == (plain.eval.games, plain.eval.train_games)
+
+
 def test_the_medium_recipe_is_the_measured_warm_start_command():
     """bench/results/learn_medium_bc256_default.json measured medium_cpu's values as command-line
     overrides over the RL-alone recipe (then named medium_cpu, now medium_rl_cpu): the recipe must be
     that run, or its documented figures are not its own."""
     recipe = OmegaConf.structured(compose_train(["experiment=medium_cpu"]))
     measured = OmegaConf.structured(compose_train([
-        "experiment=medium_rl_cpu", "warm_start.steps=64", "warm_start.games=256", "iterations=0",
-        "eval.games=64", "eval.train_games=0"]))
+        "experiment=medium_rl_cpu", *MEDIUM_RL_BEFORE_2026_11_29, "warm_start.steps=64", "warm_start.games=256",
+        "iterations=0", "eval.games=64", "eval.train_games=0"]))
     assert (recipe.experiment, measured.experiment) == ("medium_cpu", "medium_rl_cpu")
     recipe.experiment = measured.experiment
     assert OmegaConf.to_container(recipe) == OmegaConf.to_container(measured)
