@@ -129,7 +129,8 @@ class EnvConfig:
     # cache too and feed only the new tokens; false: feed the whole prompt again from position 0.
     # Same prompts either way; true keeps the kept turns' keys as they were computed, with the dropped
     # turns still there (textrl/policy/stream.py), and on medium feeds ~0.55x the tokens
-    # (bench/results/tokens_per_turn.json). Off by default, as medium_cpu and hard_cpu were measured.
+    # (bench/results/tokens_per_turn.json). Off by default, as medium_cpu and hard_cpu were measured;
+    # on in medium_rl_cpu.
     # Its first medium run, with one episode per optimizer step too, ended at 0.06 held-out wins
     # (bench/results/learn_medium_issue32_default.json); with the default ppo.grad_accum it learned
     # (RL alone + block_repeats: 0.80 ± 0.02 over three seeds against 0.78 ± 0.03 without, an iteration
