@@ -53,16 +53,26 @@ def test_easy_plays_with_the_rule_and_every_other_setting_as_measured():
         assert not compose_train([f"experiment={experiment}"]).env.block_repeats, experiment
 
 
+def recorded_configs(result_file: str):
+    """The configs bench/learn.py recorded for a result file's seeds (without the keys seeds differ in)."""
+    measured = json.loads((ROOT / "bench/results" / result_file).read_text())
+    return [{k: v for k, v in run["resolved"].items() if k != "curriculum_replay_without_stages"}
+            for run in measured["runs"]]
+
+
+def composed(overrides: list[str]) -> dict:
+    cfg = OmegaConf.to_container(OmegaConf.structured(compose_train(overrides)))
+    cfg["env"]["decode_groups"] = None  # decided for the machine at start; the file holds the setting
+    return cfg
+
+
 def test_the_default_is_the_measured_warm_start_run_and_rl_alone_recipes_keep_none():
     """The default clones 256 training walkthroughs, then anchors PPO to that policy: it must be the
     run whose figures the README gives for it (bench/results/learn_easy24_rule_ws64x256_kl01_default.json,
     its recorded config). The RL-alone recipes and the blog post's keep neither, as measured."""
-    measured = json.loads((ROOT / "bench/results/learn_easy24_rule_ws64x256_kl01_default.json").read_text())
-    default = OmegaConf.to_container(OmegaConf.structured(compose_train(["eval.games=64"])))
-    default["env"]["decode_groups"] = None  # decided for the machine at start; the file holds the setting
-    for run in measured["runs"]:  # bench/learn.py records the config without the keys seeds differ in
-        recorded = {k: v for k, v in run["resolved"].items() if k != "curriculum_replay_without_stages"}
-        assert {k: default[k] for k in recorded} == recorded, run["seed"]
+    default = composed(["eval.games=64"])
+    for recorded in recorded_configs("learn_easy24_rule_ws64x256_kl01_default.json"):
+        assert {k: default[k] for k in recorded} == recorded
     assert (default["warm_start"]["steps"], default["warm_start"]["games"], default["ppo"]["kl_coef"]) == (64, 256, 0.1)
     for experiment in ("medium_rl_cpu", "twx_coin_cpu", "twx_simonsays_cpu", "easy_cpu_repeatable", "easy_fresh_gpt2",
                        "easy_repeatable_gpt2", "easy_repeatable_qwen", "medium_fresh_gpt2", "medium_fresh_qwen",
@@ -118,20 +128,17 @@ MEDIUM_RL_BEFORE_2026_11_29 = ["env.block_repeats=false", "env.drop_turns_from_c
 
 
 def test_the_rl_alone_medium_recipe_is_its_measured_run():
-    """experiment=medium_rl_cpu is the run whose figures its file and the README give for it
-    (bench/results/learn_medium12_fewest_dropcache_epochs1_lr2_block_repeats.json, its recorded
-    config), and the documented command for the file before 2026-11-29 is that file."""
-    measured = json.loads((ROOT / "bench/results/learn_medium12_fewest_dropcache_epochs1_lr2_block_repeats.json").read_text())
-    recipe = OmegaConf.to_container(OmegaConf.structured(compose_train(["experiment=medium_rl_cpu"])))
-    recipe["env"]["decode_groups"] = None  # decided for the machine at start; the file holds the setting
-    for run in measured["runs"]:
-        recorded = {k: v for k, v in run["resolved"].items() if k != "curriculum_replay_without_stages"}
-        assert {k: recipe[k] for k in recorded} == recorded, run["seed"]
-    before = compose_train(["experiment=medium_rl_cpu", *MEDIUM_RL_BEFORE_2026_11_29])
-    assert (before.env.block_repeats, before.env.drop_turns_from_cache, before.ppo.epochs) == (False, False, 2)
-    plain = compose_train()  # the defaults (conf/ppo/cpu.yaml's rates) that the file left alone before then
-    assert (before.ppo.lr_lm, before.ppo.lr_lm_min, before.ppo.lr_value) == (plain.ppo.lr_lm, plain.ppo.lr_lm_min, plain.ppo.lr_value)
-    assert (before.eval.games, before.eval.train_games) == (plain.eval.games, plain.eval.train_games)
+    """experiment=medium_rl_cpu is the run whose figures its file and the README give for it, and
+    the documented spelling of the file before 2026-11-29 is the file the two-pass runs used (their
+    recorded configs; warm_start.games aside, unread without warm-start steps, whose default grew since)."""
+    recipe = composed(["experiment=medium_rl_cpu"])
+    for recorded in recorded_configs("learn_medium12_fewest_dropcache_epochs1_lr2_block_repeats.json"):
+        assert {k: recipe[k] for k in recorded} == recorded
+    before = composed(["experiment=medium_rl_cpu", *MEDIUM_RL_BEFORE_2026_11_29, "env.block_repeats=true",
+                       "env.drop_turns_from_cache=true", "eval.games=64", "eval.train_games=0"])
+    for recorded in recorded_configs("learn_medium12_fewest_dropcache_block_repeats.json"):
+        assert before["warm_start"]["steps"] == recorded["warm_start"]["steps"] == 0
+        assert {k: before[k] for k in recorded if k != "warm_start"} == {k: v for k, v in recorded.items() if k != "warm_start"}
 
 
 def test_the_medium_recipe_is_the_measured_warm_start_command():
