@@ -1,4 +1,4 @@
-"""Every `python train.py ...` command of the READMEs and of docs/results.md composes and validates;
+"""Every `python train.py ...` command of the READMEs and of docs/ composes and validates;
 every function docs/gpu.md cites exists.
 
 The command lines are read from the documents themselves: fenced code blocks (a line continued with
@@ -39,7 +39,7 @@ from textrl.config import CONF_DIR, register_configs, to_train_config
 from textrl.errors import ConfigError
 
 ROOT = CONF_DIR.parent
-DOCUMENTS = ["README.md", "docs/results.md", "multirun/README.md"]
+DOCUMENTS = ["README.md", "docs/results.md", "docs/configuration.md", "multirun/README.md"]
 TRAIN = re.compile(r"(?:^|\s)(?:\S*/)?python3?\s+train\.py\b(.*)$")
 MAKE = re.compile(r"(?:^|\s)make\s+train\s+(ARGS=.*)$")
 LEARN = re.compile(r"(?:^|\s)(?:\S*/)?python3?\s+bench/learn\.py\b(.*)$")
@@ -285,11 +285,27 @@ def test_every_test_the_readme_cites_exists(document):
             assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{path}::{name}"
 
 
-def test_the_readme_family_table_is_the_measured_one():
-    """The README's table of game families is bench/families.py's output (families.md), row for row:
-    a figure changed by hand, or a family measured and not copied in, fails here."""
+def test_the_family_table_is_the_measured_one():
+    """docs/results.md's table of game families is bench/families.py's output (families.md), row for
+    row: a figure changed by hand, or a family measured and not copied in, fails here."""
     rows = [line for line in (ROOT / "bench/results/families/families.md").read_text().splitlines()
             if line.startswith("| `")]
-    readme = (ROOT / "README.md").read_text()
+    results = (ROOT / "docs/results.md").read_text()
     assert rows, "bench/results/families/families.md holds no family"
-    assert [line for line in readme.splitlines() if re.match(r"\| `tw\w+` \(\d+\) \|", line)] == rows
+    assert [line for line in results.splitlines() if re.match(r"\| `tw\w+` \(\d+\) \|", line)] == rows
+
+
+def test_the_readme_family_recipes_show_the_measured_figures():
+    """Each family's row of the README's recipe table shows what bench/families.py measured for its
+    trained policy (wins, steps, minutes)."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    for line in (ROOT / "bench/results/families/families.md").read_text().splitlines():
+        if not (m := re.match(r"\| `(\w+)` \(\d+\) \|", line)):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        wins, steps = re.match(r"([\d.]+) \[[^]]*\] / ([\d.]+)", cells[3]).groups()
+        row = next((r for r in readme if f"`python train.py experiment={m.group(1)}_cpu`" in r), None)
+        assert row, f"the README has no recipe row for {m.group(1)}"
+        row_cells = [c.strip() for c in row.strip("|").split("|")]
+        assert f"{wins} in {steps} steps" in row_cells[3], (m.group(1), row_cells[3])
+        assert row_cells[2].split()[0] == cells[4], (m.group(1), row_cells[2])
