@@ -2,7 +2,7 @@
 
 The keys are read from the dataclasses themselves (``dataclasses.fields`` from ``TrainConfig``
 down through its nested groups); the document's keys are the backticked names in the first column
-of its tables (`env.num_envs`, `seed`). A key added to a dataclass without its line, or a line left
+of its key tables (`env.num_envs`, `seed`). A key added to a dataclass without its line, or a line left
 for a removed key, fails here; so does a default column that no longer says the dataclass default.
 """
 
@@ -31,13 +31,17 @@ def dataclass_keys(cls=TrainConfig, prefix: str = "") -> dict[str, object]:
 
 
 def documented_rows() -> dict[str, str]:
-    """key -> its default cell, for every table row whose first cell is one backticked key."""
-    rows = {}
+    """key -> its default cell, for every row of a key table (header `| key | default | ...`) whose
+    first cell is one backticked key."""
+    rows, in_key_table = {}, False
     for line in DOC.read_text().splitlines():
         if not line.startswith("|"):
+            in_key_table = False
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if m := KEY.match(cells[0]):
+        if cells[:2] == ["key", "default"]:
+            in_key_table = True
+        elif in_key_table and (m := KEY.match(cells[0])):
             assert m.group(1) not in rows, f"{m.group(1)} is documented twice"
             rows[m.group(1)] = cells[1] if len(cells) > 1 else ""
     return rows
