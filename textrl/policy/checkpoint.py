@@ -66,26 +66,35 @@ REMOVED_OPTIONS = {"ppo.value_steps_left": False, "ppo.explore_decay": 1.0, "env
 REMOVED_GROUPS = ("self_imitation",)  # removed with every key in them
 
 
-def _stored(state: dict, key: str):
-    """A dotted key of the checkpoint's stored config, as written; a removed option's off value where
-    the config lacks it."""
+def _stored(config: dict, key: str):
+    """A removed option's value in a stored config, as written; its off value where the config lacks it."""
     group, name = key.split(".")
-    return (state.get("textrl", {}).get("config", {}).get(group) or {}).get(name, REMOVED_OPTIONS[key])
+    return (config.get(group) or {}).get(name, REMOVED_OPTIONS[key])
 
 
-def removed_options_on(state: dict) -> list[str]:
-    """``key=value`` of each removed option (``REMOVED_OPTIONS``) the checkpoint's run switched on."""
+def removed_options_on(config: dict) -> list[str]:
+    """``key=value`` of each removed option (``REMOVED_OPTIONS``) a stored config switches on."""
     on = []
     for key, off in REMOVED_OPTIONS.items():
-        value = _stored(state, key)
+        value = _stored(config, key)
         if value != off:
             on.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
     return on
 
 
+def without_removed_options(config: dict) -> dict:
+    """A stored config (plain data) without the removed options' keys."""
+    kept = {k: v for k, v in config.items() if k not in REMOVED_GROUPS}
+    for key in REMOVED_OPTIONS:
+        group, name = key.split(".")
+        if isinstance(kept.get(group), dict):
+            kept[group] = {k: v for k, v in kept[group].items() if k != name}
+    return kept
+
+
 def check_resumable(state: dict, origin: str, advice: str = "") -> None:
     """A run trained with a removed option switched on cannot go on without it: refused, naming it."""
-    on = removed_options_on(state)
+    on = removed_options_on(state["textrl"]["config"])
     if on:
         raise CheckpointError(f"{origin} was trained with {', '.join(on)}, "
                               f"{'an option' if len(on) == 1 else 'options'} removed from textrl (not adopted): "
@@ -97,13 +106,7 @@ def stored_config(state: dict) -> TrainConfig:
     """The training config a checkpoint holds, as it was written (older keys read as today's, removed
     options dropped): data to compare and show. What builds a model or games from a checkpoint uses
     ``checkpoint_config``."""
-    saved = OmegaConf.create(state["textrl"]["config"])
-    for group in REMOVED_GROUPS:
-        saved.pop(group, None)
-    for key in REMOVED_OPTIONS:
-        group, name = key.split(".")
-        if saved.get(group) is not None:
-            saved[group].pop(name, None)
+    saved = OmegaConf.create(without_removed_options(state["textrl"]["config"]))
     if "env" not in saved:
         saved.env = {}
     env = saved.env
@@ -200,7 +203,7 @@ def check_same_model(cfg: TrainConfig, state: dict, origin: str, advice: str) ->
 def _check_value_head(state: dict, origin: str) -> None:
     """A value head with a value per step left (the removed ``ppo.value_steps_left``) fits no policy
     textrl builds now."""
-    if _stored(state, "ppo.value_steps_left"):
+    if _stored(state.get("textrl", {}).get("config", {}), "ppo.value_steps_left"):
         raise CheckpointError(f"{origin} holds a value head with a value per step left (ppo.value_steps_left=true, "
                               f"an option removed from textrl, not adopted): this textrl builds no such head; use "
                               f"the commit it was trained at")
