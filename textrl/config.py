@@ -81,15 +81,13 @@ class EnvConfig:
     win_bonus: float = 1.0
     # charged on the losing step, with the step penalty of the steps it leaves unplayed (textrl.games.env)
     loss_penalty: float = 1.0
-    # offer only the commands played fewest times from the same state in the episode: an action rule
-    # against loops, in training and evaluation alike; off where a right command can be a repeat
+    # offer only the commands played fewest times from the same state in the episode: a rule against loops
     block_repeats: bool = True
     history_len: int = 8  # past turns kept by the environment
     # verbs whose latest answer stays in the prompt when the history is cut (e.g. [read]: the recipe)
     keep_answers: list[str] = field(default_factory=list)
     max_prompt_tokens: int = 1536  # oldest turns are dropped beyond this (four at a time)
-    # drop cut turns from the rollout's KV cache and feed only new tokens (textrl/policy/stream.py);
-    # false: feed the whole prompt again from position 0
+    # drop cut turns from the rollout's KV cache and feed only new tokens; false: re-feed the whole prompt
     drop_turns_from_cache: bool = False
     list_commands: bool = False  # also list the admissible commands in the prompt
     # repeat the objective right before the command (false: in the system message only)
@@ -147,11 +145,11 @@ class PPOConfig:
     # gae (value head) | grpo | rloo | gigpo (returns compared within env.group_size episodes of a game)
     advantage: str = "gae"
     step_weight: float = 1.0  # ppo.advantage=gigpo: weight of the step-group advantage (GiGPO's omega)
-    # kl_coef x KL(policy || initial, warm-started policy) per decision: keeps what the warm start taught
+    # weight of KL(policy || the initial, warm-started policy): keeps what the warm start taught; 0: off
     kl_coef: float = 0.1
     # stop the iteration's update once a step's mean approx_kl passes this (cleanrl's); None: never
     target_kl: Optional[float] = None
-    # recompute old log-probs and values with the update's forward; None: only under mixed precision
+    # recompute old log-probs with the update's own forward; None: under mixed precision, which rounds apart
     recompute_old: Optional[bool] = None
     # run the frozen blocks once per token in the rollout and replay their output in the update
     cache_frozen: bool = True

@@ -334,8 +334,8 @@ class Game:
         """``obs`` offering only the commands played fewest times from its state in this episode: the
         ones not played yet, and where every one was, those played least. Offering all of them again
         there let a policy trained with the rule play ``look`` to the step limit in a room it had
-        exhausted (bench/results/medium_block_repeats/); fewest-first makes every cycle through a
-        state take each command in turn. Never none: a game is not ended by the rule."""
+        exhausted (docs/results.md); fewest-first makes every cycle through a state take each
+        command in turn. Never none: a game is not ended by the rule."""
         if not obs.admissible_commands:
             return obs
         times = [self._played[(*obs.state, c)] for c in obs.admissible_commands]
