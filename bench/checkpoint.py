@@ -21,7 +21,7 @@ from pathlib import Path
 from compose import train_config  # bench/compose.py
 from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.policy.memory import make_optimizer
-from textrl.policy.model import build_policy, steps_left_limit
+from textrl.policy.model import build_policy
 from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.module import PPOModule
 
@@ -34,8 +34,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     cfg = train_config(args.overrides)
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory,
-                                     value_limit=steps_left_limit(cfg))
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
     module = PPOModule(cfg, policy, tokenizer)
     p = cfg.ppo
     optimizer = make_optimizer([q for q in policy.lm.parameters() if q.requires_grad],

@@ -40,12 +40,7 @@ def train_config(overrides: list[str], output_dir: str = "unused"):
             torch.set_num_threads(cfg.threads)
         try:
             device = trainer_device(cfg.trainer)
-            try:  # an older tree may predate ppo.value_steps_left: its policy takes no value limit
-                from textrl.policy.model import steps_left_limit
-                limit = (steps_left_limit(cfg),)
-            except ImportError:
-                limit = ()
-            policy, _ = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device, *limit)
+            policy, _ = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device)
             choice = resolve_auto_precision(cfg, policy, device)
             print(f"memory={cfg.memory.name}: {choice.describe()}", flush=True)
         finally:

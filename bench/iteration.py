@@ -81,10 +81,6 @@ from textrl.config import native_bf16
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.model import build_policy
 
-try:  # an A/B's older tree may predate ppo.value_steps_left: its policy takes no value limit
-    from textrl.policy.model import steps_left_limit
-except ImportError:
-    steps_left_limit = None
 from textrl.training.datamodule import RolloutDataModule
 
 try:  # commits before the frozen-block replay have no FrozenPrefix: no replayed bound there
@@ -109,8 +105,7 @@ def rate(fn, tokens: int, reps: int) -> float:
 def bounds(cfg, reps: int, rollout_rows: int, length: int) -> dict:
     """The model's forward and forward+backward tokens/s under the run's precision, and its FLOPs
     (``ModelFlops``, as a dict)."""
-    limit = {} if steps_left_limit is None else {"value_limit": steps_left_limit(cfg)}
-    policy, _ = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, **limit)
+    policy, _ = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
     autocast = torch.autocast("cpu", torch.bfloat16) if cfg.memory.precision == "bf16-mixed" else contextlib.nullcontext()
     vocab = policy.lm.config.vocab_size
     gen = torch.Generator().manual_seed(0)

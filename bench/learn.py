@@ -28,7 +28,7 @@ file time, since the subprocess started); else the seconds the run's phases log 
 per evaluation), added up in run order and scaled so that the run's end is its wall time (start-up
 and checkpoint writes, which no phase logs, spread in proportion).
 
-    python bench/learn.py --resume --configs steps_left --seeds 1 --tag medium12 -- experiment=medium_rl_cpu
+    python bench/learn.py --resume --configs default --seeds 1 --tag medium12 -- experiment=medium_rl_cpu
 
 goes on with a run that was killed or stopped (its folder holds ``checkpoints/last.ckpt``) instead of
 starting it over: a run longer than one sitting. Its minutes add up the stretches it ran (a killed
@@ -85,8 +85,6 @@ CONFIGS = {
     # KL anchor to the initial policy, measured on RL alone (the default is 0.1 since 2026-11-28)
     "kl": ["ppo.kl_coef=0.05"],
     "explore": ["ppo.explore=0.1"],  # 10 % uniform over each fork's children
-    # the recipe's exploration share, x 0.75 each iteration (0.3 falls to 0.02 by the tenth)
-    "explore_decay": ["ppo.explore_decay=0.75"],
     # the default until 68aee23 (2026-11-28): no warm start, no anchor, rewards from the game's score only
     "rl_alone": ["warm_start.steps=0", "ppo.kl_coef=0"],
     # the first warm start measured: 2 passes over 64 training walkthroughs (the default: 256), then
@@ -94,14 +92,6 @@ CONFIGS = {
     "warm_start": ["warm_start.steps=16", "warm_start.games=64", "ppo.kl_coef=0"],
     "list_commands": ["env.list_commands=true"],  # admissible commands shown in the prompt
     "lora_all": ["memory=lora"],  # LoRA adapters on all 30 blocks instead of the top 6 blocks
-    # + 0.2 per command of progress on the game's shortest winning path (training games only)
-    "shaping": ["env.shaping=0.2"],
-    # - 0.2 for a command played again from the same state in the episode (training games only)
-    "repeat_penalty": ["env.repeat_penalty=0.2"],
-    # a time-aware value: a learned value per step left, the step limit an end (no bootstrap)
-    "steps_left": ["ppo.value_steps_left=true"],
-    # + one pass of cloning 16 of the shortest wins the rollouts found so far, after each update
-    "self_imitation": ["self_imitation.episodes=16"],
     # a command already played from the same state is not offered again in the episode (an action rule)
     "block_repeats": ["env.block_repeats=true"],
 }
@@ -269,8 +259,8 @@ def summarize_run(run_dir: Path, sessions: list[tuple[float, float]] | None = No
         # between evaluations, which a run evaluated rarely (medium_rl_cpu) has no other way to show
         "rollout_curve": [[int(float(r["iteration"])), float(r["rollout/win_rate"]), float(r["rollout/episode_len"])]
                           for r in rows if r.get("rollout/win_rate")],
-        # the share of turns that repeat a command from the same state (env.repeat_penalty's count):
-        # how much of the play is loops, in the last evaluation and in each iteration's rollouts
+        # the share of turns that repeat a command from the same state: how much of the play is
+        # loops, in the last evaluation and in each iteration's rollouts
         "eval_repeats": float(last["eval/repeats"]) if last.get("eval/repeats") else None,
         "rollout_repeats": [float(r["rollout/repeats"]) for r in rows if r.get("rollout/repeats")],
         "iterations": int(float(last["iteration"])),

@@ -69,7 +69,7 @@ def measure(arch: str, option: str, seq_len: int, batch: int) -> dict:
 
     from textrl.config import TrainConfig, load_memory_config, load_model_config, resolve, validate
     from textrl.policy.memory import make_optimizer
-    from textrl.policy.model import build_policy, steps_left_limit
+    from textrl.policy.model import build_policy
 
     cuda = torch.cuda.is_available()
     cfg = TrainConfig(output_dir="unused")
@@ -87,7 +87,7 @@ def measure(arch: str, option: str, seq_len: int, batch: int) -> dict:
     except ValueError as exc:
         return {"skipped": str(exc)}
     device = torch.device("cuda" if cuda else "cpu")
-    policy, _ = build_policy(cfg.model, memory=cfg.memory, device=device, value_limit=steps_left_limit(cfg))
+    policy, _ = build_policy(cfg.model, memory=cfg.memory, device=device)
     policy.to(device).train()
     optimizer = make_optimizer([p for p in policy.lm.parameters() if p.requires_grad],
                                list(policy.value_head.parameters()), cfg.memory, 1e-5, 1e-4, 0.0)

@@ -22,7 +22,7 @@ from compose import train_config  # bench/compose.py
 from result import write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import native_bf16
 from textrl.policy.memory import make_optimizer
-from textrl.policy.model import build_policy, steps_left_limit
+from textrl.policy.model import build_policy
 
 IMPLEMENTATIONS = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
@@ -38,8 +38,7 @@ def main(argv=None):
     cfg = train_config(args.overrides)
     if cfg.memory.optimizer != "adamw":
         raise SystemExit(f"memory.optimizer={cfg.memory.optimizer}: this compares torch's AdamW implementations only")
-    policy, _ = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory,
-                             value_limit=steps_left_limit(cfg))
+    policy, _ = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory)
     p = cfg.ppo
     lm = [q for q in policy.lm.parameters() if q.requires_grad]
     value = list(policy.value_head.parameters())

@@ -45,7 +45,6 @@ from textrl.policy.model import ValueHead, build_policy
 from textrl.ppo.advantages import rollout_advantages
 from textrl.ppo.losses import explained_variance
 from textrl.ppo.sequences import decision_forward
-from textrl.ppo.update import explore_at
 from textrl.rollout import Sampling, episode_seeds, play_games
 from textrl.training.datamodule import RolloutDataModule
 from textrl.training.module import PPOModule, temperature_at
@@ -60,8 +59,7 @@ def record(module: PPOModule, curriculum, cfg, iteration: int) -> dict:
     update's optimizer steps over it (as lists of decision indices)."""
     played = curriculum.games(iteration)
     p = cfg.ppo
-    sampling = Sampling(temperature_at(p, iteration), episode_seeds(cfg.seed, iteration, played.games),
-                        explore_at(p, iteration))
+    sampling = Sampling(temperature_at(p, iteration), episode_seeds(cfg.seed, iteration, played.games), p.explore)
     start = time.perf_counter()
     episodes, _ = play_games(module.player, played.games, played.env, sampling)
     episodes = [e for e in episodes if e.aborted is None]
@@ -147,9 +145,6 @@ def main(argv=None) -> dict:
     cfg = train_config(args.overrides)
     if cfg.memory.precision != "32-true":  # it plays without a Trainer, whose precision plugin autocasts
         raise SystemExit(f"measure in fp32 (memory=none): this script has no autocast for {cfg.memory.precision}")
-    if cfg.ppo.value_steps_left:  # its predictors read the hidden state and the turn; the update's table is neither
-        raise SystemExit("ppo.value_steps_left: this script fits its own predictors on the hidden state (the turn "
-                         "number is one of them); leave it false")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     datamodule = RolloutDataModule(cfg)

@@ -87,8 +87,6 @@ def test_a_policy_plays_with_the_rule_wherever_it_is_shown_games():
     # another setting's games played by a policy trained with it (textrl-eval, curriculum stages)
     assert medium.with_prompt_of(trained).block_repeats
     assert not load_env_config("easy").with_prompt_of(medium).block_repeats
-    # evaluation's settings keep it: it is how the policy acts, not a reward
-    assert trained.for_evaluation().block_repeats
 
 
 def needless_repeats(episode) -> int:

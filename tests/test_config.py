@@ -16,6 +16,7 @@ from textrl.config import CONF_DIR, TrainConfig, resolve, to_train_config, valid
 from textrl.errors import ConfigError
 from textrl.games.express import java_available
 from textrl.games.pool import check_games
+from textrl.policy.checkpoint import removed_options_on, without_removed_options
 
 ROOT = CONF_DIR.parent
 CUDA_ONLY = {"fp16", "lowmem"}
@@ -54,10 +55,13 @@ def test_easy_plays_with_the_rule_and_every_other_setting_as_measured():
 
 
 def recorded_configs(result_file: str):
-    """The configs bench/learn.py recorded for a result file's seeds (without the keys seeds differ in)."""
+    """The configs bench/learn.py recorded for a result file's seeds (without the keys seeds differ in,
+    and without the options removed since, each of which the runs had off)."""
     measured = json.loads((ROOT / "bench/results" / result_file).read_text())
-    return [{k: v for k, v in run["resolved"].items() if k != "curriculum_replay_without_stages"}
-            for run in measured["runs"]]
+    recorded = [{k: v for k, v in run["resolved"].items() if k != "curriculum_replay_without_stages"}
+                for run in measured["runs"]]
+    assert not [on for config in recorded for on in removed_options_on(config)], result_file
+    return [without_removed_options(config) for config in recorded]
 
 
 def composed(overrides: list[str]) -> dict:

@@ -11,9 +11,7 @@ from tests.conftest import SMALL
 
 def test_two_process_cpu_ddp_covers_both_ranks(tmp_path):
     cmd = [sys.executable, "train.py", *SMALL, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-           "iterations=2", "eval.every=1", "env.num_envs=4", f"hydra.run.dir={tmp_path}",
-           # one remembered win cloned an iteration: rank 1 clones nothing and joins with zeros
-           "self_imitation.episodes=1", "ppo.explore=0.9"]
+           "iterations=2", "eval.every=1", "env.num_envs=4", f"hydra.run.dir={tmp_path}"]
     out = subprocess.run(cmd, cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out.stderr + out.stdout
@@ -28,7 +26,6 @@ def test_two_process_cpu_ddp_covers_both_ranks(tmp_path):
     written = json.loads((tmp_path / "evaluation" / "iter_0002.json").read_text())
     assert written["games"] == 4 and len({g["game"] for g in written["per_game"]}) == 4
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
-    assert [float(r["imitation/episodes"]) for r in train_rows][-1] == 1  # both ranks' wins remembered, one cloned
 
 
 def test_a_rank_without_games_finishes_and_gradients_sync_once_per_optimizer_step(tmp_path):

@@ -11,7 +11,7 @@ from textrl.cli.attention import load_models
 from textrl.cli.evaluate import main as eval_main
 from textrl.cli.export import export
 from textrl.cli.export import main as export_main
-from textrl.policy.checkpoint import CheckpointError, load, load_checkpoint_policy
+from textrl.policy.checkpoint import CheckpointError, check_resumable, load, load_checkpoint_policy, stored_config
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +112,43 @@ def test_resuming_from_another_models_checkpoint_fails_like_model_init_from(trai
     with pytest.raises(CheckpointError, match="holds a policy of model=tiny.*resume=false starts this run over"):
         cli.train(config(trained["run_dir"], "iterations=2", "model=smollm2"))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# options removed from textrl (not adopted), as checkpoints written before their removal store them
+REMOVED_OFF = {"ppo.value_steps_left": False, "ppo.explore_decay": 1.0, "env.shaping": 0.0, "env.repeat_penalty": 0.0,
+               "self_imitation": {"episodes": 0, "games": 64}}
+
+
+def test_a_checkpoint_written_with_the_removed_options_off_reads_as_todays(trained, tmp_path):
+    older = crafted(trained["last"], tmp_path / "older.ckpt", **REMOVED_OFF)
+    state = load(older)
+    assert state["textrl"]["config"]["self_imitation"] == {"episodes": 0, "games": 64}
+    assert stored_config(state) == stored_config(load(trained["last"]))
+    check_resumable(state, "older")  # nothing it trained with is gone
+    policy, _, cfg = load_checkpoint_policy(older)
+    mine = trained["module"].policy.state_dict()
+    assert all(torch.equal(policy.state_dict()[k], mine[k]) for k in mine)
+
+
+@pytest.mark.parametrize("key, value, shown", [
+    ("ppo.value_steps_left", True, "ppo.value_steps_left=true"),
+    ("self_imitation", {"episodes": 16, "games": 64}, "self_imitation.episodes=16"),
+    ("env.shaping", 0.2, "env.shaping=0.2"),
+    ("env.repeat_penalty", 0.2, "env.repeat_penalty=0.2"),
+    ("ppo.explore_decay", 0.75, "ppo.explore_decay=0.75"),
+])
+def test_resuming_a_run_trained_with_a_removed_option_is_refused_naming_it(trained, tmp_path, key, value, shown):
+    older = crafted(trained["last"], tmp_path / "older.ckpt", **{**REMOVED_OFF, key: value})
+    with pytest.raises(CheckpointError, match=rf"ckpt_path=.*older.ckpt was trained with {shown}, an option removed "
+                                              rf"from textrl \(not adopted\): this textrl cannot resume it"):
+        cli.train(config(tmp_path / "run", "iterations=2", f"ckpt_path={older}"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_value_head_with_a_value_per_step_left_is_refused_by_name_wherever_it_is_loaded(trained, tmp_path):
+    older = crafted(trained["last"], tmp_path / "older.ckpt", **{**REMOVED_OFF, "ppo.value_steps_left": True})
+    refused = "holds a value head with a value per step left \\(ppo.value_steps_left=true, an option removed"
+    with pytest.raises(CheckpointError, match=refused):
+        load_checkpoint_policy(older)
+    with pytest.raises(CheckpointError, match=refused):
+        cli.train(config(tmp_path / "run", "iterations=1", f"model.init_from={older}"))

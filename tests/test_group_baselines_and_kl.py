@@ -129,9 +129,11 @@ def test_group_rollouts_play_each_game_group_size_times_with_different_samples(t
 
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
     module = PPOModule(cfg, policy, tokenizer)
-    # shaped, so that episodes that all lose still differ in return (by how far they got)
-    episodes, _ = play_games(module.player, games, replace(cfg.env, shaping=0.5),
-                             Sampling(3.0, episode_seeds(cfg.seed, 0, games)))
+    episodes, _ = play_games(module.player, games, cfg.env, Sampling(3.0, episode_seeds(cfg.seed, 0, games)))
+    # episodes that all lose in as many steps tie in return: a bonus of its own on each episode's
+    # last turn makes a group's returns differ, as a game's score can
+    for i, e in enumerate(episodes):
+        e.steps[-1] = replace(e.steps[-1], reward=e.steps[-1].reward + 0.1 * i)
     assert [e.game for e in episodes] == [str(g) for g in games]
     plays = [tuple(s.action.command for s in e.steps) for e in episodes]
     assert len(set(plays[:4])) > 1 or len(set(plays[4:])) > 1  # the same game, sampled differently

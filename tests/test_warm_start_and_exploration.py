@@ -50,24 +50,6 @@ def test_with_exploration_the_first_update_still_sees_ratio_one_and_rollouts_are
     assert len(first_commands(0.9)) > len(first_commands(0.0))
 
 
-def test_decaying_exploration_is_the_mixture_each_iterations_rollout_and_update_share(tmp_path):
-    # recompute_old in fp32: the update's own old log-probs must agree with the rollout's, which they
-    # do only where both mix in the iteration's exploration, not the first iteration's
-    cli.train(config(tmp_path, "iterations=2", "eval.before_training=false", "eval.every=2", "ppo.explore=0.6",
-                     "ppo.explore_decay=0.5", "ppo.recompute_old=true"))
-    rows = [r for r in read_metrics(tmp_path) if r.get("rollout/explore")]
-    assert [float(r["rollout/explore"]) for r in rows] == pytest.approx([0.6, 0.3])
-    for r in rows:
-        assert float(r["policy/rollout_logratio_max"]) < 1e-4  # recompute: the rollout's mixture
-        assert float(r["policy/first_logratio_max"]) < 1e-4  # the loss: the same mixture
-
-
-@pytest.mark.parametrize("decay", ["0", "1.5"])
-def test_an_exploration_decay_outside_0_1_is_refused(tmp_path, decay):
-    with pytest.raises(cli.ConfigError, match=r"ppo.explore_decay"):
-        config(tmp_path, f"ppo.explore_decay={decay}")
-
-
 def test_walkthroughs_replay_as_the_turns_a_rollout_records(tiny):
     policy, tokenizer = tiny
     cfg = config("unused", "warm_start.games=6")

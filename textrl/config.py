@@ -49,123 +49,58 @@ class ModelConfig:
     architecture: dict[str, Any] = field(default_factory=dict)
     init_seed: int = 0  # for source=random
     attn_implementation: Optional[str] = None  # None: PyTorch's SDPA (textrl.policy.model.attn_implementation)
-    # train only the top N transformer blocks (+ final norm); None: all. SmolLM2's default of 6 of 30
-    # makes backward ~4x cheaper, which is what makes CPU training practical.
+    # train only the top N transformer blocks (+ final norm), which makes CPU backward cheap; None: all
     trainable_layers: Optional[int] = 6
-    # start from another run's trained policy (its checkpoint; the same model and LoRA setting),
-    # with a new optimizer, schedules and iteration count: e.g. medium from an easy run
+    # start from another run's checkpoint (same model and LoRA), with a new optimizer and schedules
     init_from: Optional[str] = None
     value_hidden: int = 128  # width of the value head's hidden layer
-    # the value head reads detached hidden states: its regression loss then cannot pull the LM's
-    # representations toward predicting returns, at the policy's expense
+    # the value head reads detached hidden states, so its loss cannot pull the LM's representations
     detach_value: bool = True
 
 
 @dataclass
 class EnvConfig:
     name: str = "easy"  # names the setting in logs, evaluation folders and the generalization table
-    # which games: ``textworld`` generates them from rooms/objects/quest_length/theme (the presets
-    # easy|medium|hard and env=custom); ``tw-simple``, ``tw-coin_collector``, ``tw-treasure_hunter``,
-    # ``tw-cooking`` are TextWorld's challenge families and ``twx-<game>`` TextWorldExpress's games,
-    # both configured by ``settings``
+    # textworld (generated from rooms/objects/quest_length/theme), tw-<family> or twx-<game>
     game: str = "textworld"
     rooms: Optional[int] = 2  # game=textworld only (null for the other families)
     objects: Optional[int] = 4
     quest_length: Optional[int] = 1
     theme: Optional[str] = "house"
-    # a challenge family's own options, named as in ``tw-make <family> --help`` (level, recipe, take,
-    # go, open, cook, cut, drop, rewards, goal, ...); what is left out takes the family's default
+    # a challenge family's own options, named as in ``tw-make <family> --help``; unset: its defaults
     settings: Dict[str, Any] = field(default_factory=dict)
-    # a challenge family's settings that the held-out (eval) split's games take instead of ``settings``:
-    # tw_cooking's ``split: valid`` gives them foods and preparations its training games (``split:
-    # train``) never have. TextWorldExpress games need none: textrl's splits play its train and dev folds
+    # settings the held-out split's games take instead (tw_cooking's ``split: valid``: unseen foods)
     eval_settings: Dict[str, Any] = field(default_factory=dict)
     num_envs: int = 16  # parallel training environments (one episode each per iteration)
-    # each training game is played this many times per iteration (num_envs / group_size games, each
-    # sampled group_size times): the groups that ppo.advantage=grpo|rloo|gigpo compare episodes within
+    # each training game is played this many times per iteration: the groups grpo|rloo|gigpo compare
     group_size: int = 1
     repeatable: bool = False  # True: the same training games every iteration
     pool_size: int = 256  # fresh mode: training games each iteration's games are drawn from
     max_steps: int = 8  # the episode's step limit
     step_penalty: float = 0.1
     win_bonus: float = 1.0
-    # subtracted on the step that loses the game (some families: tw-cooking, tw-treasure_hunter, Pecking
-    # Order...), with the step penalty of the steps the loss leaves unplayed (textrl.games.env)
+    # charged on the losing step, with the step penalty of the steps it leaves unplayed (textrl.games.env)
     loss_penalty: float = 1.0
-    # training rollouts only: + shaping x (actions left on TextWorld's tracked winning path before the
-    # step - after it); a potential: a detour costs what coming back earns, and a lost game takes back
-    # what it was paid (Game._shaped). TextWorld games only (TextWorldExpress scores its subtasks
-    # already); evaluation never computes it (EnvConfig.for_evaluation). 0: the game's score alone
-    shaping: float = 0.0
-    # training rollouts only: - repeat_penalty on a step that plays a command already played from the
-    # same state earlier in the episode (the same room description and inventory: Observation.state).
-    # A deterministic (greedy) policy that repeats a command from a state it comes back to loops for
-    # good; this makes a repeat cost more than a new command, so the policy learns, from the history
-    # in its prompt, to try something else. Evaluation never computes it. Where a game's progress
-    # shows only in its feedback (Simon Says, Arithmetic), a right command can be a repeat. 0: off
-    repeat_penalty: float = 0.0
-    # the policy is offered only the commands it played fewest times from the same state
-    # (Observation.state) earlier in the episode: while some were not played there, those; once every
-    # one was, those played least, so a loop's next round takes the next command instead. An action
-    # rule like the trie's mask, not a reward: training rollouts, evaluation, textrl-eval and
-    # textrl-play all play with it, and PPO's update scores the choices among the commands offered.
-    # As with repeat_penalty, keep it off where a right command can be a repeat (Simon Says,
-    # Arithmetic). false: every admissible command is offered. On by default, easy's setting (0.97
-    # held-out wins in 1.80 steps where 0.89 in 2.41 without, docs/results.md "An action rule against
-    # loops"); env=custom keeps it, every other env option sets it false, as its figures were
-    # measured. textrl-eval and textrl-play offer an untrained model or a person every command
-    # (textrl-eval --block-repeats: the rule)
+    # offer only the commands played fewest times from the same state in the episode: a rule against loops
     block_repeats: bool = True
     history_len: int = 8  # past turns kept by the environment
-    # verbs whose latest answer stays in the prompt when the history is cut (history_len,
-    # max_prompt_tokens): with [read], the turn showing the recipe that `read cookbook` answered is
-    # kept, while older turns around it are dropped. Each distinct command keeps only its latest
-    # answer. []: every turn is cut oldest first
+    # verbs whose latest answer stays in the prompt when the history is cut (e.g. [read]: the recipe)
     keep_answers: list[str] = field(default_factory=list)
-    # oldest turns are dropped beyond this (four at a time); 8 turns of long easy room descriptions
-    # reach ~1050 tokens
-    max_prompt_tokens: int = 1536
-    # when the history drops turns (history_len, max_prompt_tokens), drop them from the rollout's KV
-    # cache too and feed only the new tokens; false: feed the whole prompt again from position 0.
-    # Same prompts either way; true keeps the kept turns' keys as they were computed, with the dropped
-    # turns still there (textrl/policy/stream.py), and on medium feeds ~0.55x the tokens
-    # (bench/results/tokens_per_turn.json). Off by default, as medium_cpu and hard_cpu were measured;
-    # on in medium_rl_cpu.
-    # Its first medium run, with one episode per optimizer step too, ended at 0.06 held-out wins
-    # (bench/results/learn_medium_issue32_default.json); with the default ppo.grad_accum it learned
-    # (RL alone + block_repeats: 0.80 ± 0.02 over three seeds against 0.78 ± 0.03 without, an iteration
-    # 0.72-0.79x; learn_medium12_fewest_dropcache_block_repeats.json). medium_cpu with it, seed 1: every
-    # held-out game won or lost in the same steps as without (learn_medium_bc256_dropcache_default.json)
+    max_prompt_tokens: int = 1536  # oldest turns are dropped beyond this (four at a time)
+    # drop cut turns from the rollout's KV cache and feed only new tokens; false: re-feed the whole prompt
     drop_turns_from_cache: bool = False
     list_commands: bool = False  # also list the admissible commands in the prompt
-    # repeat the objective at the end of every observation, right before the command (false: in the
-    # system message only). On by default: the best lever of RL alone in the easy ablation (docs/results.md)
+    # repeat the objective right before the command (false: in the system message only)
     goal_last: bool = True
     workers: int = 2  # game-generation processes
-    # processes that hold and step the games of a rollout, side by side (textrl/games/workers.py);
-    # 0: the games step one after the other in the training process. Worth it where stepping is a
-    # large share of the rollout (many envs, a fast GPU): see perf/rollout_env_s
+    # processes that step a rollout's games side by side (textrl/games/workers.py); 0: in-process
     step_workers: int = 0
-    # the rollout's envs decoded as this many groups, one after the other, each with its own KV cache
-    # (with step_workers: at least 2, so that one group's games step while the next decodes).
-    # None: 4 on a CPU, 1 on a GPU, where batch width is what it is good at (bench/env_wait.py
-    # --groups measures the choice on a CPU)
+    # decode the envs as this many groups, each with its own KV cache; None: 4 on a CPU, 1 on a GPU
     decode_groups: Optional[int] = None
-    # seconds a game may take to answer a reset or a step (a step worker: this per game of a call);
-    # one that takes longer is a fault: its episode is aborted (env.max_aborted). A step worker that
-    # passes it is killed and replaced; a TextWorldExpress call times out on its connection; a
-    # TextWorld call in the training process is interrupted by an alarm (SIGALRM; a loop inside a C
-    # extension only once it returns to Python, so where games may hang there, use env.step_workers)
+    # seconds a game may take to answer a reset or a step; a later answer aborts its episode
     step_timeout: float = 60.0
-    # the run stops (GameFaultError) when more than this share of an iteration's training episodes,
-    # or of an evaluation's, are aborted by game faults (an engine error, no answer in time, a dead
-    # step worker or Java engine); aborted episodes are left out of the update and the metrics
+    # the run stops (GameFaultError) when more than this share of an iteration's episodes are aborted
     max_aborted: float = 0.5
-
-    def for_evaluation(self) -> EnvConfig:
-        """These settings as evaluation plays them: the game's own rewards, no shaping (evaluation
-        games never compute the winning path that shaping reads) and no repeat penalty."""
-        return replace(self, shaping=0.0, repeat_penalty=0.0)
 
     def offering_every_command(self) -> EnvConfig:
         """These settings as an untrained model, the random policy or a person plays them: every
@@ -187,14 +122,9 @@ ADVANTAGES = {"gae", "grpo", "rloo", "gigpo"}  # ppo.advantage: textrl/ppo/advan
 
 @dataclass
 class PPOConfig:
-    """The CPU sizing (``ppo=cpu``, the default); ``ppo=seed`` (conf/ppo/seed.yaml) sets the values
-    of the GPU runs textrl started from.
-
-    A CPU run makes a few hundred optimizer steps where a GPU run makes thousands: hence the larger
-    learning rates (only the top blocks move, and a near-zero-initialised value head must move
-    within the run), 2 PPO epochs, one sequence per forward (padding is pure waste on a CPU) and 4
-    per optimizer step.
-    """
+    """The CPU sizing (``ppo=cpu``, the default); ``ppo=seed`` sets the GPU runs' values. A CPU run
+    makes few optimizer steps, hence the larger learning rates, 2 epochs and one sequence per forward
+    (padding is pure waste on a CPU)."""
 
     lr_lm: float = 1e-4
     lr_lm_min: float = 1e-5  # cosine decay floor, reached at the last iteration
@@ -209,57 +139,22 @@ class PPOConfig:
     minibatch_size: int = 1  # sequences per forward
     grad_accum: int = 4  # forwards per optimizer step
     max_grad_norm: float = 1.0  # clips the LM's gradient norm and, separately, the value head's
-    # an optimizer step whose loss or gradient norm is not finite is skipped (optim/skipped_steps);
-    # this many in a row stop the run (16-mixed: its loss scaler skips such steps itself)
+    # a step with a non-finite loss or gradient is skipped; this many in a row stop the run
     max_skipped_steps: int = 3
     normalize_advantages: bool = True
-    # gae: GAE per turn with the value head; grpo: the episode's return normalised within its group
-    # (env.group_size episodes of one game); rloo: the return minus the mean of the group's others;
-    # gigpo: grpo's + step_weight x the turn's return normalised among the group's turns that start
-    # from the same state (GiGPO's step groups). grpo, rloo and gigpo neither train nor use the value head.
+    # gae (value head) | grpo | rloo | gigpo (returns compared within env.group_size episodes of a game)
     advantage: str = "gae"
     step_weight: float = 1.0  # ppo.advantage=gigpo: weight of the step-group advantage (GiGPO's omega)
-    # ppo.advantage=gae: a time-aware value (Pardo et al., 2018, "Time Limits in Reinforcement
-    # Learning"). The value head adds a learned value per number of steps left (env.max_steps + 1 of
-    # them, each started at the return of playing that many steps with the step penalty alone), and
-    # the step limit ends an episode like a win or loss (no bootstrap). The prompt never shows the
-    # turn, and the hidden state does not tell step 3 from step 30: on medium the turn number
-    # explains 0.13-0.20 of the GAE targets of the next rollout, the hidden state none
-    # (bench/value_fit.py, docs/results.md)
-    value_steps_left: bool = False
-    # KL anchor: kl_coef x KL(policy || initial policy) at each decision, computed exactly over the
-    # fork's allowed tokens; 0 switches it (and the reference forward it needs) off. The initial
-    # policy is the warm-started one: the anchor keeps what cloning the walkthroughs taught (the
-    # shortest commands) while PPO fixes the rest. On easy after the default warm start, without
-    # it PPO took the held-out steps from 1.33 to 1.53 (whitened advantages of near-equal wins are
-    # mostly the value head's noise); with 0.1 to 1.22, wins 0.99, three seeds each
-    # (bench/results/learn_easy24_rule_ws64x256_kl01_default.json, docs/results.md "A walkthrough
-    # warm start before the default's PPO"). RL-alone experiments and ppo=seed set 0
+    # weight of KL(policy || the initial, warm-started policy): keeps what the warm start taught; 0: off
     kl_coef: float = 0.1
-    # early stop of the update (cleanrl's target_kl, Spinning Up's target_kl): before each optimizer
-    # step, the mean approx_kl of the step's decisions (old policy vs the weights so far) is read; past
-    # this, the step and every later one of the iteration are dropped (optim/steps_share). A one-sided
-    # trust region for an update that PPO's clip alone lets run (many near-identical decisions of one
-    # looping episode push the same way). None: every step is taken
+    # stop the iteration's update once a step's mean approx_kl passes this (cleanrl's); None: never
     target_kl: Optional[float] = None
-    # Recompute the old log-probs and values with the update's own forward before the PPO epochs.
-    # None: only under mixed precision, where the rollout (KV cache, small chunks) and the update
-    # (one forward per sequence) round differently; fp32 agrees to ~1e-6 and needs no recompute.
+    # recompute old log-probs with the update's own forward; None: under mixed precision, which rounds apart
     recompute_old: Optional[bool] = None
-    # run the frozen blocks under the trainable ones once per token per iteration, in the rollout:
-    # every pass of the update (old log-probs, KL reference, PPO epochs) replays the rollout's output
-    # of the last frozen block (textrl/policy/frozen_prefix.py). Costs hidden-size floats per rollout
-    # token for the iteration; false runs every pass in full
+    # run the frozen blocks once per token in the rollout and replay their output in the update
     cache_frozen: bool = True
-    # exploration: at every fork of a training rollout the policy is (1 - explore) x the model's
-    # softmax + explore x uniform over the fork's children, in the rollout and in the update alike
-    # (on-policy). Keeps probability on admissible commands the model's prior ignores; greedy
-    # evaluation is unaffected. 0: off
+    # mix this share of uniform over each fork's children into training rollouts and the update alike
     explore: float = 0.0
-    # iteration k explores with explore x explore_decay^k: early rollouts find wins the model's prior
-    # misses, late ones play near the policy itself, so the update trains the states its greedy play
-    # (the evaluation) reaches. 1: constant
-    explore_decay: float = 1.0
     temperature: float = 1.0  # initial sampling temperature
     temperature_decay: float = 0.995  # per iteration
     temperature_min: float = 0.5
@@ -268,10 +163,7 @@ class PPOConfig:
 @dataclass
 class MemoryConfig:
     name: str = "auto"
-    # Lightning precision: 32-true | bf16-mixed | 16-mixed (CUDA only) | auto (on CUDA decided by
-    # ``resolve``: bf16-mixed where the GPU computes in bf16 natively, else 32-true; on a CPU the
-    # faster of the two on the model's own layer shapes, measured once per machine and cached:
-    # textrl.policy.precision.choose_precision)
+    # 32-true | bf16-mixed | 16-mixed (CUDA only) | auto (decided per machine: textrl.policy.precision)
     precision: str = "auto"
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes, for the LM parameters)
     grad_ckpt: bool = False  # the model's gradient checkpointing (non-reentrant) during updates
@@ -294,12 +186,9 @@ class TrainerConfig:
     devices: Any = 1
     strategy: str = "auto"
     num_nodes: int = 1
-    # jobs of a multirun side by side on this machine (conf/sweep/cpu.yaml, gpus.yaml): each job takes
-    # a free GPU, or `threads` cores, for as long as it runs (textrl/training/slots.py)
+    # a multirun's jobs side by side on this machine, each on a free GPU or `threads` cores (slots.py)
     share_machine: bool = False
-    # deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG) for the
-    # whole run: a resumed run on CUDA then continues exactly, as it always does on a CPU. Costs
-    # slower CUDA kernels, and a CUDA op with no deterministic kernel raises (README, resuming)
+    # deterministic algorithms, so a resumed CUDA run continues exactly; slower CUDA kernels
     deterministic: bool = False
 
 
@@ -307,16 +196,13 @@ class TrainerConfig:
 class EvalConfig:
     every: int = 6  # iterations between evaluations (and one before training, and one after the last)
     games: int = 32  # held-out evaluation games
-    # the first N training games, played greedily at every evaluation too (eval/train_win_rate):
-    # separates what the policy fits from what it generalises; 0 skips them
+    # the first N training games, played greedily too: what the policy fits against what it generalises
     train_games: int = 16
     batch: int = 16  # games played together
     transcripts: int = 3  # games per evaluation written out as readable transcripts
-    # the first N held-out games' opening observations (at most eval.games): each evaluation logs the
-    # probability of each game's walkthrough first command (probe/<game>, probe/mean); 0 skips them
+    # held-out games whose walkthrough's first command probability is logged (probe/*); 0: none
     probes: int = 8
-    # evaluate before training (iteration 0). An untrained policy plays every medium game to the
-    # step limit, which can cost more than an iteration: the medium and hard recipes skip it
+    # evaluate before training; an untrained policy's evaluation can cost more than an iteration
     before_training: bool = True
 
 
@@ -324,40 +210,21 @@ class EvalConfig:
 class WarmStartConfig:
     """Behaviour cloning on training games' walkthroughs before PPO (textrl/training/warm_start.py)."""
 
-    # optimizer steps of cross-entropy on walkthrough decisions; 0: no warm start (RL alone). The
-    # default, two passes over 256 walkthroughs, is easy's: 0.97 held-out wins in 1.33 steps after it
-    # alone, 0.99 in 1.22 after the 24 PPO iterations anchored to it (ppo.kl_coef), where RL alone
-    # ends at 0.97 in 1.80 (three seeds each, bench/results/learn_easy24_rule_ws64x256_kl01_default.json,
-    # docs/results.md "A walkthrough warm start before the default's PPO"). RL-alone experiments
-    # (medium_rl_cpu, twx_coin_cpu, twx_simonsays_cpu, the blog post's) set 0
-    steps: int = 64
+    steps: int = 64  # optimizer steps of cross-entropy on walkthrough decisions; 0: RL alone
     games: int = 256  # training games whose walkthroughs are replayed (the first N of the train split)
     batch: int = 8  # walkthrough sequences per optimizer step (split into ppo.minibatch_size forwards)
     lr: float = 1e-4  # LM learning rate (constant); the value head is not trained here
 
 
 @dataclass
-class SelfImitationConfig:
-    """Behaviour cloning on the policy's own shortest wins, after each PPO update
-    (textrl/training/self_imitation.py): rewards from the games' score only, no walkthroughs."""
-
-    episodes: int = 0  # remembered wins replayed and cloned each iteration, one pass; 0: off
-    games: int = 64  # training games whose shortest win is remembered (the least recently won go first)
-
-
-@dataclass
 class CurriculumConfig:
-    """Which training games an iteration plays: recently lost ones replayed (with or without stages),
-    and stages of env options the policy moves through as it masters each (``curriculum=...``):
-    evaluation stays on ``env``, whose prompt settings every stage uses."""
+    """Which training games an iteration plays: recently lost ones replayed, and stages of env options
+    the policy moves through as it masters each; evaluation stays on ``env``."""
 
     stages: list[str] = field(default_factory=list)  # env options in order; empty: ``env``'s games throughout
     threshold: float = 0.8  # the rolling training win rate that moves on to the next stage
     window: int = 3  # iterations the rolling win rate is taken over (all of them at the current stage)
-    # share of each iteration's training games drawn from recently lost ones (fresh games only, not
-    # env.repeatable): on easy, 4 runs, 0.92 +- 0.01 held-out wins in 2.09 +- 0.19 steps where 0 gave
-    # 0.90 +- 0.04 in 2.35 +- 0.27 over 3 (bench/results/learn_easy24_replay_default.json,
-    # learn_easy24_now_default.json); 0 switches it off
+    # share of each iteration's training games drawn from recently lost ones (fresh games only); 0: off
     replay: float = 0.25
     replay_size: int = 64  # how many recently lost games (of the current stage) are remembered
 
@@ -372,19 +239,15 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    self_imitation: SelfImitationConfig = field(default_factory=SelfImitationConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     experiment: Optional[str] = None  # name of the experiment (set by conf/experiment/*), groups sweeps
     seed: int = 0
-    # about 7 minutes on 2 CPU cores with native bf16, the warm start included
-    # (bench/results/learn_easy24_rule_ws64x256_kl01_default.json)
-    iterations: int = 24
+    iterations: int = 24  # PPO iterations (rollout + update each)
     threads: Optional[int] = None  # torch CPU threads; None keeps torch's default
     cache_dir: Optional[str] = None  # games and converted models; None: $TEXTRL_CACHE or ~/.cache/textrl
     output_dir: str = MISSING  # the run directory (train.yaml sets it to Hydra's output dir)
     ckpt_path: Optional[str] = None  # resume from this checkpoint (e.g. <run>/checkpoints/last.ckpt)
-    # started in a run directory that holds checkpoints/last.ckpt (a requeued job, or hydra.run.dir=DIR
-    # again), resume from it; false: start over there
+    # started in a run directory that holds checkpoints/last.ckpt, resume from it; false: start over
     resume: bool = True
 
 
@@ -431,10 +294,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_iterations(cfg)
     _check_trainer(cfg)
     _check_eval(cfg.eval, cfg.env)
-    _check_curriculum(cfg.curriculum, cfg.env)
-    # the head holds one learned value per step left of env.max_steps; a stage's limit may differ
-    _check("ppo.value_steps_left", cfg.ppo.value_steps_left, not (cfg.ppo.value_steps_left and cfg.curriculum.stages),
-           "false with curriculum stages (each stage has its own step limit; the table has env.max_steps')")
+    _check_curriculum(cfg.curriculum)
     _check_logger(cfg.logger)
     _check_model(cfg.model, cfg.memory)
     _check_memory(cfg.memory, cfg.trainer)
@@ -454,12 +314,6 @@ def _check_env(e: EnvConfig) -> None:
     _check("env.step_timeout", e.step_timeout, math.isfinite(e.step_timeout) and e.step_timeout > 0,
            "a number of seconds > 0")
     _check("env.max_aborted", e.max_aborted, 0 <= e.max_aborted < 1, "a share in [0, 1)")
-    _check("env.shaping", e.shaping, math.isfinite(e.shaping) and e.shaping >= 0, "a number >= 0 (0: no shaping)")
-    _check("env.shaping", e.shaping, e.shaping == 0 or not e.game.startswith("twx-"),
-           f"0 with env.game={e.game}: shaping reads TextWorld's winning path; TextWorldExpress's score "
-           f"already counts its subtasks")
-    _check("env.repeat_penalty", e.repeat_penalty, math.isfinite(e.repeat_penalty) and e.repeat_penalty >= 0,
-           "a number >= 0 (0: off)")
     _check("env.group_size", e.group_size, e.num_envs % e.group_size == 0,
            f"a divisor of env.num_envs ({e.num_envs}): each game is played group_size times")
     games = e.num_envs // e.group_size
@@ -479,12 +333,9 @@ def _check_ppo(p: PPOConfig, e: EnvConfig) -> None:
     _check("ppo.step_weight", p.step_weight, math.isfinite(p.step_weight) and p.step_weight >= 0, "a number >= 0")
     _check("env.group_size", e.group_size, p.advantage == "gae" or e.group_size >= 2,
            f"at least 2 with ppo.advantage={p.advantage}, which compares the episodes of one game")
-    _check("ppo.value_steps_left", p.value_steps_left, not p.value_steps_left or p.advantage == "gae",
-           f"false with ppo.advantage={p.advantage}, which uses no value head")
     for key in ["vf_coef", "ent_coef", "weight_decay", "kl_coef"]:
         _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 0, "a number >= 0")
     _check("ppo.explore", p.explore, 0 <= p.explore < 1, "a number in [0, 1)")
-    _check("ppo.explore_decay", p.explore_decay, 0 < p.explore_decay <= 1, "a number in (0, 1]")
     _check("ppo.target_kl", p.target_kl, p.target_kl is None or (math.isfinite(p.target_kl) and p.target_kl > 0),
            "a number > 0, or null (no early stop)")
     for key in ["gamma", "lam", "temperature_decay"]:
@@ -504,9 +355,6 @@ def _check_iterations(cfg: TrainConfig) -> None:
     for key in ["games", "batch"]:
         _check(f"warm_start.{key}", getattr(w, key), getattr(w, key) >= 1, "an integer >= 1")
     _check("warm_start.lr", w.lr, math.isfinite(w.lr) and w.lr > 0, "a number > 0")
-    si = cfg.self_imitation
-    _check("self_imitation.episodes", si.episodes, si.episodes >= 0, "an integer >= 0 (0: off)")
-    _check("self_imitation.games", si.games, si.games >= 1, "an integer >= 1")
 
 
 def _check_trainer(cfg: TrainConfig) -> None:
@@ -530,12 +378,9 @@ def _check_eval(v: EvalConfig, e: EnvConfig) -> None:
            f"between 0 and the training games available ({n_train})")
 
 
-def _check_curriculum(c: CurriculumConfig, e: EnvConfig) -> None:
+def _check_curriculum(c: CurriculumConfig) -> None:
     for stage in c.stages:
         _check("curriculum.stages", list(c.stages), stage in env_options(), f"env options, each one of {env_options()}")
-        _check("curriculum.stages", list(c.stages), not (e.shaping and stage.startswith("twx_")),
-               f"TextWorld games only with env.shaping={e.shaping} (stages play shaped as env does; "
-               f"TextWorldExpress has no winning path to read)")
     _check("curriculum.threshold", c.threshold, 0 <= c.threshold <= 1, "a win rate in [0, 1]")
     _check("curriculum.window", c.window, c.window >= 1, "an integer >= 1")
     _check("curriculum.replay", c.replay, 0 <= c.replay < 1, "a share in [0, 1)")

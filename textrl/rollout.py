@@ -74,7 +74,7 @@ class Episode:
     @property
     def repeats(self) -> int:
         """Turns that play a command already played from the same state earlier in the episode
-        (``Observation.state``): what ``env.repeat_penalty`` charges, and how a loop shows."""
+        (``Observation.state``): how a loop shows."""
         seen: set = set()
         count = 0
         for s in self.steps:
@@ -217,11 +217,8 @@ def play_games(player: Player, games: list[Path], env: EnvConfig,
         for decoder in player.decoders:  # training rollouts keep the frozen blocks' outputs for the update
             decoder.capture = None if sampling is None else player.capture
             decoder.drop_cut_turns = env.drop_turns_from_cache
-        # training rollouts value the states the step limit cut, unless the value head knows the
-        # steps left (ppo.value_steps_left: the limit then ends the episode, textrl.ppo.advantages)
-        bootstrap = sampling is not None and player.policy.value_head.steps_left is None
         with torch.no_grad(), player.autocast(), player.policy.frozen_linears_in_autocast_dtype():
-            episodes, stats = decode_episodes(envs, player.decoders, prompts, sampling, bootstrap=bootstrap)
+            episodes, stats = decode_episodes(envs, player.decoders, prompts, sampling, bootstrap=sampling is not None)
     finally:
         player.policy.train(was_training)
         for e in envs:
@@ -237,7 +234,7 @@ def replay_commands(game: Game, prompts: PromptBuilder, commands: list[str] | No
     forced actions (``forced_action``): the turns a rollout that chose them would record (the same
     prompts, tries and decisions; no log-probs or values). It stops before the first command that is
     not admissible, or when the game ends; ``won`` says whether the commands won. The walkthrough
-    warm start and self-imitation train on these. The caller opens and closes ``game``; a game fault
+    warm start trains on these. The caller opens and closes ``game``; a game fault
     is the caller's (``GameFault``)."""
     episode = Episode(game=str(game.game_file))
     obs = game.reset()

@@ -40,7 +40,7 @@ from textrl.games.prompt import PromptBuilder, fit_to_positions
 from textrl.policy.checkpoint import CheckpointError, checkpoint_config, load_policy_weights, read_checkpoint
 from textrl.policy.decoding import Cursor
 from textrl.policy.device import process_device
-from textrl.policy.model import ModelNotFoundError, build_policy, steps_left_limit
+from textrl.policy.model import ModelNotFoundError, build_policy
 from textrl.policy.precision import autocast_context
 
 
@@ -93,8 +93,7 @@ def load_models(checkpoint: str, base: str | None, cache_dir: str | None = None,
     device = device if device is not None else process_device()
     _, state = read_checkpoint(checkpoint, "--checkpoint")
     cfg = checkpoint_config(state, model_path, f"--checkpoint={checkpoint}")
-    tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cache_dir, cfg.memory, device,
-                                    steps_left_limit(cfg))
+    tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cache_dir, cfg.memory, device)
     load_policy_weights(tuned, state, cfg.memory.lora, f"--checkpoint={checkpoint}")
     base_cfg = load_model_config(base) if base else cfg.model
     base_policy, base_tokenizer = build_policy(eager(base_cfg), cfg.env.step_penalty, cache_dir)
@@ -167,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
         # prompts within both models' positions (GPT-2: 1,024); one log line if capped
         limit = min(filter(None, (tuned.position_limit, base.position_limit)), default=None)
-        env = fit_to_positions(env.for_evaluation(), limit)  # no shaping
+        env = fit_to_positions(env, limit)
         paths = [args.game_file] if args.game_file else \
             GamePool(GameSpec.from_env(env), cache_dir=args.cache_dir).games(args.split, args.games, start=args.game)
         games = [open_game(p, env) for p in paths]

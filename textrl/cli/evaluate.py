@@ -103,7 +103,6 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
         env = load_env_config(env_name).with_prompt_of(cfg.env) if env_name else cfg.env
     else:
         env = load_env_config(env_name or "easy").offering_every_command()  # unless block_repeats says otherwise
-    env = env.for_evaluation()  # the game's own rewards: shaping never reads an evaluation game
     if max_steps is not None:
         env = replace(env, max_steps=max_steps)
     if block_repeats is not None:

@@ -69,8 +69,8 @@ def _load_player(args, device: torch.device) -> tuple[PolicyValueModel, PromptBu
         precision = "auto"  # decided on the policy as training decides it (autocast_context)
     if args.max_prompt_tokens:
         env = replace(env, max_prompt_tokens=args.max_prompt_tokens)
-    # no shaping; prompts within the model's positions (GPT-2: 1,024)
-    env = fit_to_positions(env.for_evaluation(), policy.position_limit)
+    # prompts within the model's positions (GPT-2: 1,024)
+    env = fit_to_positions(env, policy.position_limit)
     # a QLoRA policy was loaded onto the device; any other is moved there (every input follows the policy)
     return policy.to(device).eval(), PromptBuilder.for_env(tokenizer, env), env, precision
 

@@ -21,10 +21,10 @@ from textrl.config import CONF_DIR, TrainConfig, register_configs, resolve, to_t
 from textrl.errors import ConfigError, GameFaultError, GameFileError, NonFiniteError
 from textrl.games.pool import check_games
 from textrl.games.prompt import PromptTooLongError, fit_to_positions
-from textrl.policy.checkpoint import (CheckpointError, check_same_model, frozen_fingerprint, leaves_frozen_weights_out,
-                                      load_policy_weights, read_checkpoint, stored_config)
+from textrl.policy.checkpoint import (CheckpointError, check_resumable, check_same_model, frozen_fingerprint,
+                                      leaves_frozen_weights_out, load_policy_weights, read_checkpoint, stored_config)
 from textrl.policy.device import trainer_device
-from textrl.policy.model import ModelNotFoundError, build_policy, steps_left_limit
+from textrl.policy.model import ModelNotFoundError, build_policy
 from textrl.policy.precision import AUTO_PRECISION_ENV, resolve_auto_precision
 from textrl.training.callbacks import AtomicCheckpointIO, EvaluateLastIteration, Interrupted, StopOnSignal
 from textrl.training.datamodule import RolloutDataModule
@@ -83,8 +83,7 @@ def _build_and_fit(cfg: TrainConfig, callbacks: list[L.Callback], resume_state: 
         torch.set_num_threads(cfg.threads)
 
     device = trainer_device(cfg.trainer)
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device,
-                                     steps_left_limit(cfg))
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device)
     # memory.precision=auto on a CPU (resolve leaves it): the faster of fp32 and bf16 on this model's
     # layer shapes, measured once per machine and cached; ppo.recompute_old=null follows. Decided
     # here, before the warm start, the module and the Trainer read them; the random state is untouched.
@@ -246,6 +245,7 @@ def _resume(cfg: TrainConfig) -> dict | None:
     if "iterations_done" not in state["textrl"]:
         raise CheckpointError(f"ckpt_path={cfg.ckpt_path} was written by an older textrl and cannot be resumed "
                               f"exactly; textrl-eval and textrl-play still read it{over}")
+    check_resumable(state, f"ckpt_path={cfg.ckpt_path}", over)
     check_same_model(cfg, state, f"ckpt_path={cfg.ckpt_path}", "A run resumes with the model and memory options it "
                      f"was trained with (its .hydra/overrides.yaml){over}")
     # the KL anchor's reference policy is a buffer of the checkpoint, or absent: a run started without

@@ -2,11 +2,9 @@
 TextWorldExpress game (``ExpressGame``, its engine in ``textrl.games.express``); ``open_game`` picks
 by the file.
 
-Reward per step = score change + ``win_bonus`` on the winning step − ``step_penalty`` (+ ``shaping``
-x the step's progress on TextWorld's tracked winning path, in training rollouts only:
-``Game._shaped``; − ``repeat_penalty`` on a command already played from the same state in the
-episode, in training rollouts only). With ``block_repeats`` a step's observation offers only the
-commands played fewest times from its state in the episode (while some were not played, those).
+Reward per step = score change + ``win_bonus`` on the winning step − ``step_penalty``. With
+``block_repeats`` a step's observation offers only the commands played fewest times from its state
+in the episode (while some were not played, those).
 The losing step also costs ``loss_penalty`` and the step penalty of every step the loss leaves
 unplayed: a lost episode costs what one played to ``max_steps`` without winning costs, plus
 ``loss_penalty``, so losing is never a shortcut past the step penalty (charged only the losing
@@ -48,15 +46,10 @@ from textrl.errors import GameFileError
 from textrl.games.express import borrow_engine, read_descriptor, return_engine, shut_down
 
 
-def request_infos(winning_path: bool = False) -> textworld.EnvInfos:
-    """What textrl reads of a TextWorld state. ``winning_path`` (for shaping): also track the quest,
-    which gives the actions left on TextWorld's winning path from each state (``_winning_policy``,
-    with ``intermediate_reward``, the cheapest info that turns the tracking on; the path is not
-    spelled out as commands). Off, TextWorld does not track it: it costs each step some time.
-    """
+def request_infos() -> textworld.EnvInfos:
+    """What textrl reads of a TextWorld state."""
     return textworld.EnvInfos(objective=True, description=True, inventory=True, admissible_commands=True,
-                              score=True, max_score=True, won=True, lost=True, extras=["walkthrough"],
-                              intermediate_reward=winning_path)
+                              score=True, max_score=True, won=True, lost=True, extras=["walkthrough"])
 
 
 class InvalidCommandError(ValueError):
@@ -88,14 +81,11 @@ class Observation:
     max_score: float
     won: bool
     lost: bool
-    # actions left on TextWorld's tracked winning path (with shaping on; 0 once won); None: not
-    # computed, or no path (the game can no longer be won)
-    steps_to_win: int | None = None
 
     @property
     def state(self) -> tuple[str, str]:
         """What the game shows of its state: the room description and the inventory (not the feedback,
-        which tells how the state was reached). GiGPO's step groups and the repeat penalty read it."""
+        which tells how the state was reached). GiGPO's step groups and ``block_repeats`` read it."""
         return self.description, self.inventory
 
 
@@ -237,8 +227,7 @@ class Game:
 
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
                  win_bonus: float = 1.0, history_len: int = 8, loss_penalty: float = 1.0, *,
-                 step_timeout: float | None = None, shaping: float = 0.0, repeat_penalty: float = 0.0,
-                 keep_answers: Sequence[str] = (), block_repeats: bool = False):
+                 step_timeout: float | None = None, keep_answers: Sequence[str] = (), block_repeats: bool = False):
         game_file = Path(game_file)
         check_game_file(game_file)
         if max_steps < 1:
@@ -253,12 +242,9 @@ class Game:
         self.history_len = history_len
         self.keep_answers = tuple(keep_answers)  # verbs whose latest answer a history cut keeps (drop_oldest)
         self.step_timeout = step_timeout  # seconds an engine call may take (None: unbounded)
-        self.shaping = shaping  # reward per action of progress on the winning path (TextWorld only)
-        self.repeat_penalty = repeat_penalty  # subtracted on a repeated (state, command) in the episode
         self.block_repeats = block_repeats  # a state offers its least-played commands of the episode
         self._played: Counter[tuple[str, str, str]] = Counter()  # times each (state, command) was played
         self.fault: GameFault | None = None  # the engine's last fault: it is not reused
-        self._start_distance: int | None = None  # the episode's first steps_to_win (shaping)
         self.history: list[Turn] = []
         self._answer_to = ""
         self.observation: Observation | None = None
@@ -270,8 +256,7 @@ class Game:
     def for_env(cls, game_file: str | Path, env) -> Game:
         """The game with an EnvConfig's step limit, rewards, history length and step timeout."""
         return cls(game_file, env.max_steps, env.step_penalty, env.win_bonus, env.history_len, env.loss_penalty,
-                   step_timeout=env.step_timeout, shaping=env.shaping, repeat_penalty=env.repeat_penalty,
-                   keep_answers=env.keep_answers, block_repeats=env.block_repeats)
+                   step_timeout=env.step_timeout, keep_answers=env.keep_answers, block_repeats=env.block_repeats)
 
     # ---- the engine ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -318,7 +303,6 @@ class Game:
         self._answer_to = ""  # the last command played: the next turn's observation answers it
         self._played.clear()
         self.steps = 0
-        self._start_distance = self.observation.steps_to_win  # shaping's distance where the path is lost
         return self.observation
 
     def step(self, command: str) -> StepResult:
@@ -331,9 +315,7 @@ class Game:
             raise InvalidCommandError(
                 f"{command!r} is not admissible here; admissible commands: {obs.admissible_commands}")
         new = self._call(f"step {self.steps + 1} ({command!r})", self._step, command)
-        played = (*obs.state, command)
-        repeated = self._played[played] > 0
-        self._played[played] += 1
+        self._played[(*obs.state, command)] += 1
         self.steps += 1
         self.history.append(Turn(obs, command, self._answer_to))
         self._answer_to = command
@@ -343,8 +325,7 @@ class Game:
             new = self._without_repeats(new)
         self.observation = new
         reward = ((new.score - obs.score) + (self.win_bonus if new.won else 0.0)
-                  - (self._lost_cost() if new.lost else 0.0) - self.step_penalty + self._shaped(obs, new)
-                  - (self.repeat_penalty if repeated else 0.0))
+                  - (self._lost_cost() if new.lost else 0.0) - self.step_penalty)
         terminated = new.won or new.lost or not new.admissible_commands  # no command: nothing can follow
         truncated = not terminated and self.steps >= self.max_steps
         return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})
@@ -353,8 +334,8 @@ class Game:
         """``obs`` offering only the commands played fewest times from its state in this episode: the
         ones not played yet, and where every one was, those played least. Offering all of them again
         there let a policy trained with the rule play ``look`` to the step limit in a room it had
-        exhausted (bench/results/medium_block_repeats/); fewest-first makes every cycle through a
-        state take each command in turn. Never none: a game is not ended by the rule."""
+        exhausted (docs/results.md); fewest-first makes every cycle through a state take each
+        command in turn. Never none: a game is not ended by the rule."""
         if not obs.admissible_commands:
             return obs
         times = [self._played[(*obs.state, c)] for c in obs.admissible_commands]
@@ -366,19 +347,6 @@ class Game:
         the steps left to ``max_steps`` (the module docstring says why)."""
         return self.loss_penalty + self.step_penalty * (self.max_steps - self.steps)
 
-    def _shaped(self, before: Observation, after: Observation) -> float:
-        """``shaping`` x (distance to the win before the step - after it): potential-based shaping
-        (Ng et al., 1999; exact for gamma = 1, GAE's 0.99 is close), so an episode's shaping is fixed
-        by where it starts and ends, and a detour costs what coming back earns. A lost game, or one
-        whose quest can no longer be won, is as far as the start: the step that gets there takes back
-        all the progress paid so far. A game with no winning path at its start is not shaped."""
-        if not self.shaping or self._start_distance is None:
-            return 0.0
-        return self.shaping * (self._distance(before) - self._distance(after))
-
-    def _distance(self, obs: Observation) -> int:
-        return obs.steps_to_win if obs.steps_to_win is not None and not obs.lost else self._start_distance
-
 
 class TextGame(Game):
     """A TextWorld game file (``.z8`` / ``.ulx`` with its ``.json``)."""
@@ -388,7 +356,7 @@ class TextGame(Game):
             with warnings.catch_warnings():
                 # Jericho cannot track score for TextWorld stories; TextWorld tracks it itself.
                 warnings.filterwarnings("ignore", message=".*is not fully supported.*")
-                self._env = textworld.start(str(self.game_file), request_infos=request_infos(self.shaping > 0))
+                self._env = textworld.start(str(self.game_file), request_infos=request_infos())
         except Exception as exc:
             raise GameFileError(f"TextWorld cannot load {self.game_file}: {exc}. Delete it so the pool regenerates it.") from exc
 
@@ -403,16 +371,7 @@ class TextGame(Game):
             max_score=int(state["max_score"]),
             won=bool(state["won"]),
             lost=bool(state["lost"]),
-            steps_to_win=self._steps_to_win(state),
         )
-
-    def _steps_to_win(self, state) -> int | None:
-        if not self.shaping:
-            return None
-        if state["won"]:
-            return 0
-        path = state.get("_winning_policy")  # None: the quest can no longer be won
-        return len(path) if path is not None else None
 
     def _reset(self) -> tuple[Observation, list[str]]:
         try:

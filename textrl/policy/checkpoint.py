@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from textrl.config import CONF_DIR, MemoryConfig, ModelConfig, TrainConfig, load_env_config, load_model_config
-from textrl.policy.model import PolicyValueModel, build_policy, steps_left_limit
+from textrl.policy.model import PolicyValueModel, build_policy
 
 
 class CheckpointError(ValueError):
@@ -59,10 +59,54 @@ def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, 
     return ckpt, state
 
 
+# options textrl tried and did not adopt, removed since: each key as older checkpoints store it,
+# with the value that leaves it off (a checkpoint written with it off reads as today's)
+REMOVED_OPTIONS = {"ppo.value_steps_left": False, "ppo.explore_decay": 1.0, "env.shaping": 0.0,
+                   "env.repeat_penalty": 0.0, "self_imitation.episodes": 0}
+REMOVED_GROUPS = ("self_imitation",)  # removed with every key in them
+
+
+def _stored(config: dict, key: str):
+    """A removed option's value in a stored config, as written; its off value where the config lacks it."""
+    group, name = key.split(".")
+    return (config.get(group) or {}).get(name, REMOVED_OPTIONS[key])
+
+
+def removed_options_on(config: dict) -> list[str]:
+    """``key=value`` of each removed option (``REMOVED_OPTIONS``) a stored config switches on."""
+    on = []
+    for key, off in REMOVED_OPTIONS.items():
+        value = _stored(config, key)
+        if value != off:
+            on.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return on
+
+
+def without_removed_options(config: dict) -> dict:
+    """A stored config (plain data) without the removed options' keys."""
+    kept = {k: v for k, v in config.items() if k not in REMOVED_GROUPS}
+    for key in REMOVED_OPTIONS:
+        group, name = key.split(".")
+        if isinstance(kept.get(group), dict):
+            kept[group] = {k: v for k, v in kept[group].items() if k != name}
+    return kept
+
+
+def check_resumable(state: dict, origin: str, advice: str = "") -> None:
+    """A run trained with a removed option switched on cannot go on without it: refused, naming it."""
+    on = removed_options_on(state["textrl"]["config"])
+    if on:
+        raise CheckpointError(f"{origin} was trained with {', '.join(on)}, "
+                              f"{'an option' if len(on) == 1 else 'options'} removed from textrl (not adopted): "
+                              f"this textrl cannot resume it; resume it with the textrl commit it was trained "
+                              f"with{advice}")
+
+
 def stored_config(state: dict) -> TrainConfig:
-    """The training config a checkpoint holds, as it was written (older keys read as today's): data
-    to compare and show. What builds a model or games from a checkpoint uses ``checkpoint_config``."""
-    saved = OmegaConf.create(state["textrl"]["config"])
+    """The training config a checkpoint holds, as it was written (older keys read as today's, removed
+    options dropped): data to compare and show. What builds a model or games from a checkpoint uses
+    ``checkpoint_config``."""
+    saved = OmegaConf.create(without_removed_options(state["textrl"]["config"]))
     if "env" not in saved:
         saved.env = {}
     env = saved.env
@@ -73,7 +117,7 @@ def stored_config(state: dict) -> TrainConfig:
         env.max_steps = env.get("max_steps") or preset.max_steps
         for key in ("name", "game", "rooms", "objects", "quest_length", "theme"):
             env[key] = getattr(preset, key)
-    # written before env.block_repeats existed (6d97252), when every command was offered: today's
+    # written before env.block_repeats existed, when every command was offered: today's
     # default (the rule on) would play such a policy with an action space it never had
     env.setdefault("block_repeats", False)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
@@ -153,18 +197,16 @@ def check_same_model(cfg: TrainConfig, state: dict, origin: str, advice: str) ->
         raise CheckpointError(
             f"{origin} holds a policy of model={theirs.name} (source {theirs.source}, LoRA {_lora(source.memory)}); "
             f"this run uses model={mine.name} (source {mine.source}, LoRA {_lora(cfg.memory)}). {advice}")
-    if _value_steps(cfg) != _value_steps(source):  # the value head's table: whether it has one, and its size
-        raise CheckpointError(f"{origin} holds a value head {_steps(_value_steps(source))}; this run's has "
-                              f"{_steps(_value_steps(cfg))} (ppo.value_steps_left, env.max_steps). {advice}")
+    _check_value_head(state, origin)
 
 
-def _value_steps(cfg: TrainConfig) -> int | None:
-    """The steps left its value head holds a value for (``ppo.value_steps_left``), or None."""
-    return cfg.env.max_steps if cfg.ppo.value_steps_left else None
-
-
-def _steps(steps: int | None) -> str:
-    return "without a value per step left" if steps is None else f"with a value per step left of {steps} steps"
+def _check_value_head(state: dict, origin: str) -> None:
+    """A value head with a value per step left (the removed ``ppo.value_steps_left``) fits no policy
+    textrl builds now."""
+    if _stored(state.get("textrl", {}).get("config", {}), "ppo.value_steps_left"):
+        raise CheckpointError(f"{origin} holds a value head with a value per step left (ppo.value_steps_left=true, "
+                              f"an option removed from textrl, not adopted): this textrl builds no such head; use "
+                              f"the commit it was trained at")
 
 
 def _identity(model: ModelConfig, memory: MemoryConfig) -> tuple:
@@ -214,6 +256,7 @@ def load_policy_weights(policy: PolicyValueModel, state: dict, lora: bool, origi
     """Put a checkpoint's policy weights (all of them; with LoRA the adapters + value head; with
     ``model.trainable_layers`` the trainable blocks + value head) into ``policy``, built from the
     same model config; ``origin`` names the checkpoint in errors."""
+    _check_value_head(state, origin)
     weights = {k.removeprefix("policy."): v for k, v in state["state_dict"].items() if k.startswith("policy.")}
     slim = "frozen" in state.get("textrl", {})
     try:
@@ -240,6 +283,6 @@ def load_checkpoint_policy(path: str | Path, option: str = "checkpoint", cache_d
     _, state = read_checkpoint(path, option)
     cfg = checkpoint_config(state, model_path, f"{option}={path}")
     memory = cfg.memory if quantize else replace(cfg.memory, quantize_4bit=False)
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cache_dir, memory, device, steps_left_limit(cfg))
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cache_dir, memory, device)
     load_policy_weights(policy, state, cfg.memory.lora, f"{option}={path}")
     return policy, tokenizer, cfg

@@ -3,14 +3,12 @@ whichever this machine runs faster (measured once, cached).
 
 The rollout's calls feed a turn's prompt (a hundred or more new tokens) over a row's cached keys
 (a thousand or more on medium games), and the update's stream blocks do the same. On the AMD EPYC
-of the benchmarks (AVX512-BF16, torch 2.13, 2 threads) the fused kernel runs those in bf16 no faster
-than in fp32, while plain products -- the scores of the query heads that share a key/value head in
-one ``mm``, the softmax, the probabilities times the values in another -- run a turn's prompt block
-2.2-2.7x faster (``bench/attention_kernels.py``, ``bench/results/attention_kernels.json``). On a medium
-iteration there: rollout 935-965 -> 1,130-1,368 tokens/s, update 135 -> 100 s, the iteration 0.77x
-(``bench/results/medium_attention_ab/``). Which is faster depends on the CPU and torch (in fp32 the
-fused kernel wins there), so it is measured (``matmul_is_faster``), never assumed; fp32, fp16 and
-GPUs always run SDPA.
+of the benchmarks (AVX512-BF16) the fused kernel runs those in bf16 no faster than in fp32, while
+plain products -- the scores of the query heads that share a key/value head in one ``mm``, the
+softmax, the probabilities times the values in another -- run a turn's prompt block, and a medium
+iteration with it, faster (``bench/attention_kernels.py``, docs/results.md). Which is faster depends
+on the CPU and torch (in fp32 the fused kernel wins there), so it is measured (``matmul_is_faster``),
+never assumed; fp32, fp16 and GPUs always run SDPA.
 
 The products round the scores to bf16 before the softmax, as transformers' eager attention does
 under bf16; the fused kernel keeps them in fp32, so its output is nearer fp32's.

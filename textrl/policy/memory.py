@@ -65,8 +65,8 @@ def make_optimizer(lm_params: list, value_params: list, memory, lr_lm: float, lr
               {"params": value_params, "lr": lr_value, "name": "value"}]
     if memory.optimizer == "adamw":
         # fused: one kernel over every tensor instead of a Python loop of small ops per tensor (torch's
-        # default on a CPU): a step over SmolLM2's top 6 blocks and the value head takes ~15 ms instead of ~37 ms
-        # (bench/results/optimizer.json), and on CUDA it is the fastest of torch's implementations.
+        # default on a CPU): measured faster on a CPU (bench/optimizer.py, docs/results.md), and on
+        # CUDA it is the fastest of torch's implementations.
         # Not under 16-mixed: a fused step unscales inside itself, and Fabric (the warm start) refuses
         # to clip the gradients of such an optimizer
         fused = memory.precision != "16-mixed" and all(

@@ -303,46 +303,30 @@ def load_lm(cfg: ModelConfig, tokenizer, cache_dir: str | Path | None = None, qu
 
 
 class ValueHead(nn.Module):
-    """MLP from the last hidden state to a scalar, plus, with ``limit``, a learned value per number
-    of steps left (``ppo.value_steps_left``).
+    """MLP from the last hidden state to a scalar.
 
     Initialised to predict ``bias`` everywhere: a randomly initialised head predicts values far
     from the returns and takes many updates to recover (its errors feed every advantage meanwhile),
     so the output layer starts near zero with its bias at the expected per-step reward (-step_penalty).
-    With ``limit`` = (max_steps, gamma) the bias starts at 0 and the value of k steps left at the
-    return of k steps that earn ``bias`` each: what an untrained policy, which plays to the limit,
-    gets. The table moves at ``ppo.lr_value`` per step, too slowly to learn values of -3 from 0.
     """
 
-    def __init__(self, hidden_size: int, inner: int, bias: float, limit: tuple[int, float] | None = None):
+    def __init__(self, hidden_size: int, inner: int, bias: float):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(hidden_size, inner), nn.Tanh(), nn.Linear(inner, 1))
         nn.init.normal_(self.net[2].weight, std=1e-3)
-        nn.init.constant_(self.net[2].bias, bias if limit is None else 0.0)
-        self.steps_left: nn.Parameter | None = None
-        if limit is not None:
-            max_steps, gamma = limit
-            self.steps_left = nn.Parameter(torch.tensor([bias * sum(gamma ** i for i in range(k))
-                                                         for k in range(max_steps + 1)]))
+        nn.init.constant_(self.net[2].bias, bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The value read from the hidden state: all of it, or with ``limit`` the state's part (the
-        decoder records that; the update adds ``of_steps_left``)."""
         return self.net(hidden).squeeze(-1)
-
-    def of_steps_left(self, steps_left: torch.Tensor) -> torch.Tensor:
-        """The learned value of each entry's steps left (a long tensor, 0..max_steps)."""
-        return self.steps_left[steps_left]
 
 
 class PolicyValueModel(nn.Module):
     """Causal LM + value head. ``hidden`` runs the LM; ``logits`` and ``value`` read its output."""
 
-    def __init__(self, lm: nn.Module, value_hidden: int = 128, value_bias: float = -0.1, detach_value: bool = True,
-                 value_limit: tuple[int, float] | None = None):
+    def __init__(self, lm: nn.Module, value_hidden: int = 128, value_bias: float = -0.1, detach_value: bool = True):
         super().__init__()
         self.lm = lm
-        self.value_head = ValueHead(lm.config.get_text_config().hidden_size, value_hidden, value_bias, value_limit)
+        self.value_head = ValueHead(lm.config.get_text_config().hidden_size, value_hidden, value_bias)
         self.detach_value = detach_value
 
     def new_cache(self):
@@ -452,8 +436,7 @@ class PolicyValueModel(nn.Module):
         return torch.matmul(head.weight[index], hidden.unsqueeze(-1)).squeeze(-1).float()
 
     def value(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The value read from ``hidden``; with ``ppo.value_steps_left`` the state's part, to which
-        the update adds ``value_head.of_steps_left`` (the decoder knows no step count)."""
+        """The value read from ``hidden``."""
         return self.value_head(hidden.detach() if self.detach_value else hidden).float()
 
     @contextmanager
@@ -515,16 +498,9 @@ def freeze_below_top_layers(lm: nn.Module, n: int) -> None:
         param.requires_grad_(False)
 
 
-def steps_left_limit(cfg) -> tuple[int, float] | None:
-    """What a ``TrainConfig``'s value head needs to hold a value per step left (``ppo.value_steps_left``):
-    (env.max_steps, ppo.gamma), or None."""
-    return (cfg.env.max_steps, cfg.ppo.gamma) if cfg.ppo.value_steps_left else None
-
-
 def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | Path | None = None, memory=None,
-                 device: torch.device | None = None, value_limit: tuple[int, float] | None = None):
+                 device: torch.device | None = None):
     """(PolicyValueModel, tokenizer) for a model config, with the memory options applied.
-    ``value_limit``: ``steps_left_limit(cfg)`` of the run, for a value head with a value per step left.
 
     The policy is on the CPU, for the caller to move, except under 4-bit QLoRA: bitsandbytes
     quantises the LM as it loads it onto ``device`` (None: ``process_device()``), and the value
@@ -536,7 +512,7 @@ def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | P
         freeze_below_top_layers(lm, cfg.trainable_layers)
     if memory is not None:
         lm = apply_memory(lm, memory)
-    policy = PolicyValueModel(lm, cfg.value_hidden, -step_penalty, cfg.detach_value, value_limit)
+    policy = PolicyValueModel(lm, cfg.value_hidden, -step_penalty, cfg.detach_value)
     if quantization is not None:  # the LM was loaded onto its device: the value head joins it
         policy.value_head.to(next(lm.parameters()).device)
     return policy, tokenizer

@@ -3,8 +3,8 @@
 ``auto`` on a CPU is decided by measurement (``choose_precision``): the model's own linear layer
 shapes are timed in fp32 and under bf16 autocast, and the faster one is chosen, once per machine
 (CPU model, torch threads, torch version, the shapes) and cached under the textrl cache. A flag such
-as AVX512-BF16 does not say which is faster: on some Xeons that report it, bf16 autocast runs 1.5-1.75x
-slower than fp32 (issue 32); on the AMD EPYC machines of the benchmarks it is the faster one. On CUDA,
+as AVX512-BF16 does not say which is faster: on some Xeons that report it, bf16 autocast runs slower
+than fp32 (issue 32); on the AMD EPYC machines of the benchmarks it is the faster one. On CUDA,
 ``auto`` is bf16 where the GPU computes it natively (``textrl.config.resolve``).
 
 ``autocast_context`` is the autocast of a precision, for code that runs the policy outside the

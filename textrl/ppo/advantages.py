@@ -23,8 +23,7 @@ GAE, the rule, and why:
   its last turn bootstraps from the value of that state (read the same way, at its first fork,
   by ``ConstrainedDecoder.values``). The prompt does not show the steps left, so treating the cut
   as the end would teach the value head that the same-looking state has no future at step 8 and a
-  future at step 3. With ``ppo.value_steps_left`` the value head does know the steps left, and the
-  limit is the end it is (``limit_ends``): a state with no step left has no future.
+  future at step 3.
 """
 
 from __future__ import annotations
@@ -117,11 +116,9 @@ def whiten(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return (x - x.mean()) / (x.std() + eps)
 
 
-def episode_gae(episode: Episode, values: torch.Tensor, gamma: float, lam: float,
-                limit_ends: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def episode_gae(episode: Episode, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) of an episode's decisions, in order, under the rule above; ``values``
-    are the decisions' value estimates in the same order; ``limit_ends``: the step limit ends the
-    episode (a time-aware value), no bootstrap. float64."""
+    are the decisions' value estimates in the same order. float64."""
     rewards, discounts, first, counts = [], [], [], []
     k = 0
     for step in episode.steps:
@@ -140,11 +137,10 @@ def episode_gae(episode: Episode, values: torch.Tensor, gamma: float, lam: float
     f64 = torch.float64
     if not rewards:
         return torch.zeros(0, dtype=f64), torch.zeros(0, dtype=f64)
-    bootstraps = episode.truncated and not limit_ends
-    if bootstraps and episode.bootstrap_value is None:
+    if episode.truncated and episode.bootstrap_value is None:
         raise ValueError(f"the episode of {episode.game} was truncated but has no bootstrap value: "
                          f"play training rollouts with bootstrap=True")
-    last = episode.bootstrap_value if bootstraps else 0.0
+    last = episode.bootstrap_value if episode.truncated else 0.0
     _, turn_returns = gae(torch.tensor(rewards, dtype=f64), torch.tensor(first, dtype=f64),
                           torch.tensor(discounts, dtype=f64), lam, last)
     returns = torch.repeat_interleave(turn_returns, torch.tensor(counts))
@@ -175,8 +171,8 @@ def _gigpo_decisions(episodes: list[Episode], gamma: float, weight: float) -> to
 
 
 def rollout_advantages(episodes: list[Episode], values: torch.Tensor, gamma: float, lam: float, *,
-                       estimator: str = "gae", normalize: bool = True, step_weight: float = 1.0,
-                       limit_ends: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       estimator: str = "gae", normalize: bool = True,
+                       step_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) of every decision of the rollout, flat in rollout order (episodes,
     turns, forks); advantages whitened over the rollout when ``normalize``. float64.
 
@@ -184,7 +180,7 @@ def rollout_advantages(episodes: list[Episode], values: torch.Tensor, gamma: flo
     episode, from its return against the other episodes of its game, given to each of its
     decisions; ``gigpo``: one per turn (``gigpo``, the turn's return discounted by ``gamma`` per
     step, ``step_weight``), given to each of the turn's decisions. Critic-free estimators' ``returns``
-    hold the episode's return (no value target). ``limit_ends``: ``episode_gae``'s.
+    hold the episode's return (no value target).
     """
     counts = [sum(len(s.action.decisions) for s in e.steps) for e in episodes]
     if estimator == "gigpo":
@@ -192,7 +188,7 @@ def rollout_advantages(episodes: list[Episode], values: torch.Tensor, gamma: flo
         returns = torch.repeat_interleave(torch.tensor([e.total_return for e in episodes], dtype=torch.float64),
                                           torch.tensor(counts, dtype=torch.long))
     elif estimator == "gae":
-        parts = [episode_gae(e, v, gamma, lam, limit_ends) for e, v in zip(episodes, values.split(counts))]
+        parts = [episode_gae(e, v, gamma, lam) for e, v in zip(episodes, values.split(counts))]
         advantages = torch.cat([a for a, _ in parts]) if parts else torch.zeros(0, dtype=torch.float64)
         returns = torch.cat([r for _, r in parts]) if parts else torch.zeros(0, dtype=torch.float64)
     else:

@@ -53,7 +53,6 @@ class RolloutDecisions:
     logprobs: torch.Tensor  # [decisions] float32: log-prob of the token taken, as sampled
     values: torch.Tensor  # [decisions] float32: the value head's estimate at the fork
     temperatures: torch.Tensor  # [decisions] float32: the temperature it was sampled at
-    turns: torch.Tensor  # [decisions] long: the episode's steps played before the decision's turn
     # per sequence, the last frozen block's output over its input_ids as the rollout recorded it
     # (textrl.policy.frozen_prefix), or None
     prefix_outputs: list[torch.Tensor | None]
@@ -72,11 +71,11 @@ def training_sequences(episodes: list[Episode]) -> RolloutDecisions:
     reference is dropped, so the iteration holds one copy)."""
     sequences: list[TrainingSequence] = []
     prefix_outputs: list[torch.Tensor | None] = []
-    logprobs, values, temperatures, turns = [], [], [], []
+    logprobs, values, temperatures = [], [], []
     for episode in episodes:
         current: _Merging | None = None
         merged: list[_Merging] = []
-        for turn, step in enumerate(episode.steps):
+        for step in episode.steps:
             prompt, place = step.prompt_ids, step.action.place
             if current is None or (current.ids != prompt[: len(current.ids)] if place is None else place.new):
                 current = _Merging(first=len(logprobs))
@@ -100,7 +99,6 @@ def training_sequences(episodes: list[Episode]) -> RolloutDecisions:
                 logprobs.append(d.logprob)
                 values.append(d.value)
                 temperatures.append(step.action.temperature)
-                turns.append(turn)
             if step.action.prefix_output is not None:  # the row's cache so far: the latest covers it all
                 current.captured, step.action.prefix_output = step.action.prefix_output, None
         for m in merged:
@@ -112,7 +110,7 @@ def training_sequences(episodes: list[Episode]) -> RolloutDecisions:
                 prefix_outputs.append(_recorded_prefix(m.captured, ids))
     f32 = torch.float32
     return RolloutDecisions(sequences, torch.tensor(logprobs, dtype=f32), torch.tensor(values, dtype=f32),
-                            torch.tensor(temperatures, dtype=f32), torch.tensor(turns, dtype=torch.long), prefix_outputs)
+                            torch.tensor(temperatures, dtype=f32), prefix_outputs)
 
 
 @dataclass

@@ -14,9 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -71,9 +70,6 @@ class Targets:
     returns: torch.Tensor  # [decisions]
     temperatures: torch.Tensor  # [decisions]
     ref_logprobs: torch.Tensor | None = None  # [decisions, widest fork], -inf at the padding
-    # ppo.value_steps_left: each decision's steps left, which the value head's table reads (the
-    # forward's value is the state's part alone); None without
-    steps_left: torch.Tensor | None = None  # [decisions] long
 
 
 @dataclass
@@ -84,7 +80,7 @@ class IterationData:
     steps: list[OptimizerStep]  # every pass's optimizer steps, in order
     targets: Targets
     prefix: PrefixOutputs | None  # the frozen blocks' recorded outputs (ppo.cache_frozen)
-    coefs: LossCoefs  # the loss's settings, with this iteration's exploration
+    coefs: LossCoefs  # the loss's settings, with the exploration the rollout sampled with
 
     @property
     def sequences(self) -> list[TrainingSequence]:
@@ -167,12 +163,6 @@ class IterationStats:
         return out
 
 
-def explore_at(ppo: PPOConfig, iteration: int) -> float:
-    """The exploration share of iteration ``iteration`` (0-based): explore x explore_decay^iteration.
-    The rollout samples from this mixture and the update trains it (its ratios, recompute, reference)."""
-    return ppo.explore * ppo.explore_decay ** iteration
-
-
 class PPOUpdate:
     def __init__(self, policy: PolicyValueModel, ppo: PPOConfig, pad_id: int, seed: int, *,
                  reference: ReferencePolicy | None = None, frozen: FrozenPrefix | None = None,
@@ -182,13 +172,8 @@ class PPOUpdate:
         self.frozen = frozen  # frozen blocks under the trainable ones, replayed (ppo.cache_frozen)
         self.runtime = runtime or Runtime()
         self.uses_value = ppo.advantage == "gae"  # group baselines need no value head
-        if ppo.value_steps_left != (policy.value_head.steps_left is not None):
-            raise ValueError(f"ppo.value_steps_left={ppo.value_steps_left}, but the policy's value head was built "
-                             f"{'without' if ppo.value_steps_left else 'with'} a value per step left: build it with "
-                             f"build_policy(..., value_limit=steps_left_limit(cfg))")
-        # explore: the first iteration's; each iteration's own is in its IterationData
         self.coefs = LossCoefs(ppo.clip, ppo.vf_coef if self.uses_value else 0.0, ppo.ent_coef, ppo.kl_coef,
-                               explore_at(ppo, 0))
+                               ppo.explore)
         self.skipped_in_a_row = 0  # optimizer steps skipped for non-finite gradients, across iterations
 
     @property
@@ -239,7 +224,7 @@ class PPOUpdate:
         sequences = self.equalize_across_ranks(rollout.sequences)
         steps = optimizer_steps(sequences, p.minibatch_size, p.grad_accum, p.epochs, iteration_rng(self.seed, iteration))
         first_pass = [[mb for mb in step if mb[0] is not None] for step in steps[: len(steps) // p.epochs]]
-        coefs = replace(self.coefs, explore=explore_at(p, iteration))  # the mixture the rollout sampled
+        coefs = self.coefs  # explore: the mixture the rollout sampled
 
         # what the rollout recorded, on the device in one copy
         sampled, old_values, temperatures = torch.stack([rollout.logprobs, rollout.values, rollout.temperatures]).to(self.device)
@@ -255,76 +240,14 @@ class PPOUpdate:
             with stats.timer.phase("reference"):
                 ref_logprobs = self.reference_logprobs(first_pass, rollout, temperatures, prefix, coefs.explore)
 
-        # a time-aware value: the rollout's and the recompute's values are the state's part; the
-        # steps-left part is added here, at the weights the iteration starts from
-        steps_left = None
-        if self.policy.value_head.steps_left is not None:
-            limit = len(self.policy.value_head.steps_left) - 1
-            if rollout.count and int(rollout.turns.max()) >= limit:
-                raise ValueError(f"a decision at step {int(rollout.turns.max())} of an episode, past the value head's "
-                                 f"{limit} steps (env.max_steps when it was built)")
-            # a shorter limit would pass the check above and read every turn's entry off by the difference
-            cut = next((e for e in episodes if e.truncated and len(e.steps) != limit), None)
-            if cut is not None:
-                raise ValueError(f"the episode of {cut.game} was cut by a step limit at {len(cut.steps)} steps, not at "
-                                 f"the value head's {limit} (env.max_steps when it was built)")
-            steps_left = (limit - rollout.turns).to(self.device)
-            with torch.no_grad():
-                old_values = old_values + self.policy.value_head.of_steps_left(steps_left).float()
-
         # GAE runs over the episodes' turns on the host: the old values' one read per iteration
         host_values = old_values.cpu()
         advantages, returns = rollout_advantages(episodes, host_values, p.gamma, p.lam, estimator=p.advantage,
-                                                 normalize=p.normalize_advantages, step_weight=p.step_weight,
-                                                 limit_ends=steps_left is not None)
+                                                 normalize=p.normalize_advantages, step_weight=p.step_weight)
         stats.old_values, stats.returns = host_values, returns.float()
         advantages, returns = torch.stack([advantages, returns]).float().to(self.device)
-        targets = Targets(old_logprobs, old_values, advantages, returns, temperatures, ref_logprobs, steps_left)
+        targets = Targets(old_logprobs, old_values, advantages, returns, temperatures, ref_logprobs)
         return IterationData(rollout, steps, targets, prefix, coefs)
-
-    def imitate(self, episodes: list[Episode], iteration: int, optimizer) -> dict[str, float]:
-        """Self-imitation (``textrl.training.self_imitation``): one pass of optimizer steps of
-        cross-entropy on ``episodes``' forced decisions, under the policy itself (T = 1, no
-        exploration mixed in, as the walkthrough warm start), in the update's minibatches and
-        accumulation, each step the mean over its decisions, clipped and checked as the update's.
-        Only the LM learns: a win's returns would teach the value head nothing about failing.
-        Returns ``imitation/loss`` (cross-entropy per decision) and ``imitation/decisions`` over all
-        ranks, and ``perf/imitation_s``."""
-        timer = PhaseTimer(self.device)
-        sequences = self.equalize_across_ranks(training_sequences(episodes).sequences)
-        rng = random.Random(f"imitate/{self.seed}/{iteration}")  # its own order, not the update's
-        steps = optimizer_steps(sequences, self.ppo.minibatch_size, self.ppo.grad_accum, 1, rng)
-        total, decisions = torch.zeros((), device=self.device), 0  # summed cross-entropy (read once, at the end)
-        value_group = [q for g in optimizer.param_groups if g.get("name") == "value" for q in g["params"]]
-        with timer.phase("imitation"):
-            for step, normalizer in zip(steps, self.step_normalizers(steps)):
-                for k, minibatch in enumerate(step):
-                    with self.runtime.no_sync() if k < len(step) - 1 else contextlib.nullcontext():
-                        nll, count = self.imitation_loss(minibatch)
-                        self.runtime.backward(nll / normalizer)
-                    total, decisions = total + nll.detach().float(), decisions + count
-                norms = self.clip_gradients(optimizer)
-                for q in value_group:  # its zero gradient joined DDP's all-reduce; AdamW must not step it
-                    q.grad = None
-                if self.step_is_finite(norms.tolist()):
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            self.check_weights()
-        sums = torch.stack([total, torch.tensor(float(decisions), device=self.device)])
-        total, decisions = self.runtime.all_reduce(sums, "sum").tolist()
-        return {"imitation/loss": total / max(decisions, 1.0), "imitation/decisions": decisions,
-                "perf/imitation_s": timer.seconds("imitation")}
-
-    def imitation_loss(self, minibatch: Minibatch) -> tuple[torch.Tensor, int]:
-        """The minibatch's summed cross-entropy of its forced decisions and their count. Every
-        trainable weight is in the graph, at zero where the loss does not reach it (the value head;
-        everything on a rank with nothing to clone): DDP's all-reduce waits for a gradient of each."""
-        if minibatch[0] is None:
-            return sum(q.sum() for q in self.policy.parameters() if q.requires_grad) * 0.0, 0
-        out = decision_forward(self.policy, minibatch, self.pad_id)
-        logp = fork_logprobs(out.logits, out.valid).gather(1, out.chosen[:, None]).squeeze(1)
-        zero = sum(q.sum() for q in self.policy.value_head.parameters()) * 0.0
-        return -logp.float().sum() + zero, logp.numel()
 
     def loss(self, minibatch: Minibatch, data: IterationData, normalizer: float) -> tuple[PPOTerms, int]:
         """The minibatch's PPO loss (its share of an optimizer step of ``normalizer`` decisions) and
@@ -342,12 +265,9 @@ class PPOUpdate:
         device (``out.decisions`` indexes the iteration's targets there)."""
         idx = out.decisions
         ref = targets.ref_logprobs[idx, : out.logits.shape[1]] if targets.ref_logprobs is not None else None
-        values = out.values
-        if targets.steps_left is not None:
-            values = values + self.policy.value_head.of_steps_left(targets.steps_left[idx])
         return DecisionBatch(logits=out.logits, valid=out.valid, chosen=out.chosen,
                              temperatures=targets.temperatures[idx], old_logprobs=targets.old_logprobs[idx],
-                             advantages=targets.advantages[idx], values=values, returns=targets.returns[idx],
+                             advantages=targets.advantages[idx], values=out.values, returns=targets.returns[idx],
                              ref_logprobs=ref)
 
     def forward_logprobs(self, minibatch: Minibatch, temperatures: torch.Tensor, prefix: PrefixOutputs | None,

@@ -8,7 +8,7 @@ uninterrupted run would have played.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from textrl.config import EnvConfig, TrainConfig, load_env_config, training_game_count
@@ -37,11 +37,8 @@ class Curriculum:
         self.lost: list[str] = []
         self.train_games: list[Path] = []  # the current stage's training pool
         self.eval_games: list[Path] = []  # env's held-out games (evaluation never changes stage)
-        # each stage's games shown with env's prompt settings, and its own prompt budget; shaped (and
-        # repeats penalised) as env is
-        self.stage_envs = [replace(load_env_config(s).with_prompt_of(cfg.env), shaping=cfg.env.shaping,
-                                   repeat_penalty=cfg.env.repeat_penalty)
-                           for s in cfg.curriculum.stages]
+        # each stage's games shown with env's prompt settings, and its own prompt budget
+        self.stage_envs = [load_env_config(s).with_prompt_of(cfg.env) for s in cfg.curriculum.stages]
 
     @property
     def env(self) -> EnvConfig:

@@ -79,9 +79,7 @@ class RolloutDataModule(L.LightningDataModule):
         # the same loaders on every rank, also on one whose share is empty: a rank with fewer loaders
         # would run fewer of Lightning's collectives and hang the others (on_validation_epoch_end
         # still runs on it, and joins the evaluation's reductions)
-        # played with the games' own rewards: shaping (env.shaping) never reads an evaluation game
-        loaders = [(c.eval_games, lambda: batches(c.eval_games, self.cfg.env.for_evaluation()))]
+        loaders = [(c.eval_games, lambda: batches(c.eval_games, self.cfg.env))]
         if self.cfg.eval.train_games:
-            loaders.append((c.train_games, lambda: batches(c.train_games[: self.cfg.eval.train_games],
-                                                            c.env.for_evaluation())))
+            loaders.append((c.train_games, lambda: batches(c.train_games[: self.cfg.eval.train_games], c.env)))
         return [DataLoader(_Batches(f), batch_size=None, collate_fn=_as_is) for games, f in loaders if games]

@@ -38,12 +38,11 @@ from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.reference import ReferencePolicy
-from textrl.ppo.update import PPOUpdate, Runtime, explore_at
+from textrl.ppo.update import PPOUpdate, Runtime
 from textrl.results import summarize
 from textrl.rollout import Episode, Player, Sampling, check_aborted, episode_seeds, play_games
 from textrl.training.curriculum import Curriculum
 from textrl.training.loggers import log_transcripts
-from textrl.training.self_imitation import SelfImitation
 from textrl.transcripts import transcript_rows, write_transcripts
 
 log = logging.getLogger(__name__)
@@ -97,9 +96,6 @@ class PPOModule(L.LightningModule):
         groups = max(cfg.env.decode_groups, 2 if cfg.env.step_workers else 1)
         self.player = Player(policy, tokenizer, [ConstrainedDecoder(policy) for _ in range(groups)],
                              autocast=self._autocast, capture=frozen)
-        # cloning the rollouts' own shortest wins after each update (None: self_imitation.episodes=0)
-        self.imitation = (SelfImitation(cfg.self_imitation, cfg.seed, tokenizer, self._all_ranks_objects)
-                          if cfg.self_imitation.episodes else None)
         self.update = PPOUpdate(policy, cfg.ppo, tokenizer.pad_token_id, cfg.seed, reference=self.reference,
                                 frozen=frozen, runtime=Runtime(backward=self.manual_backward,
                                                                all_reduce=self._all_reduce,
@@ -115,7 +111,7 @@ class PPOModule(L.LightningModule):
         optimizer = self.optimizers()
         lr_lm, lr_value = (g["lr"] for g in optimizer.param_groups)  # the rates this iteration uses
 
-        explore = explore_at(self.cfg.ppo, iteration)  # the update trains this same mixture (PPOUpdate.prepare)
+        explore = self.cfg.ppo.explore  # the update trains this same mixture (PPOUpdate.prepare)
         sampling = Sampling(temperature, episode_seeds(self.cfg.seed, iteration, played.games), explore)
         episodes, rollout_stats = play_games(self.player, played.games, played.env, sampling)
         episodes, aborted = self._completed(episodes, played.env.max_aborted, "training")  # game faults: left out
@@ -123,15 +119,10 @@ class PPOModule(L.LightningModule):
         if curriculum.needs_outcomes:  # stages move on the win rate of all ranks' episodes
             curriculum.record(outcome["rollout/win_rate"], [e.game for e in episodes if not e.won])
         stats = self.update.run(episodes, iteration, optimizer)
-        imitated = {}
-        if self.imitation is not None:  # clone the shortest wins found so far (textrl/training/self_imitation.py)
-            imitated = self.imitation.run(episodes, iteration, played.env, curriculum.train_games,
-                                          lambda mine: self.update.imitate(mine, iteration, optimizer),
-                                          slice(self.global_rank, None, self._world_size()))  # this rank's share
         self.lr_schedulers().step()
 
         self.log_dict({**outcome, "rollout/temperature": temperature, "rollout/explore": explore,
-                       **rollout_stats.metrics(), **stats.metrics(), **imitated, **curriculum.metrics(played),
+                       **rollout_stats.metrics(), **stats.metrics(), **curriculum.metrics(played),
                        "optim/lr_lm": lr_lm, "optim/lr_value": lr_value,
                        "perf/peak_mem_gb": peak_memory_gb(self.device), "iteration": float(iteration + 1)},
                       on_step=True, on_epoch=False, sync_dist=True)  # means over ranks
@@ -262,14 +253,6 @@ class PPOModule(L.LightningModule):
                                      f"{metrics['eval/win_rate']:.2f} on {len(episodes)} games", rows)
             log_transcripts(self.logger, rows, text, iteration)
 
-    def _all_ranks_objects(self, mine: list) -> list:
-        """Every rank's list, concatenated in rank order (the same on every rank)."""
-        if self._world_size() == 1:
-            return mine
-        parts: list = [None] * self._world_size()
-        torch.distributed.all_gather_object(parts, mine)
-        return [item for part in parts for item in part]
-
     def _all_ranks_episodes(self, episodes: list[Episode]) -> list[Episode]:
         """Every rank's episodes (each rank played its share of the held-out games), in the games' order."""
         if self._world_size() == 1:
@@ -300,7 +283,7 @@ class PPOModule(L.LightningModule):
         if self._probes is None:
             self._probes = []
             for path in self.trainer.datamodule.eval_games[: self.cfg.eval.probes]:
-                game = open_game(path, self.cfg.env.for_evaluation())
+                game = open_game(path, self.cfg.env)
                 obs = game.reset()
                 if game.walkthrough and game.walkthrough[0] in obs.admissible_commands:
                     trie = self.prompts.trie(obs)
@@ -325,14 +308,9 @@ class PPOModule(L.LightningModule):
             "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
             "iterations_done": self.iterations_done,
         })
-        if self.imitation is not None:  # the remembered wins: game names and commands, no file is opened from it
-            checkpoint["textrl"]["self_imitation"] = self.imitation.state_dict()
 
     def on_load_checkpoint(self, checkpoint):
         self.iterations_done = checkpoint["textrl"]["iterations_done"]
-        if self.imitation is not None and "self_imitation" in checkpoint["textrl"]:
-            # only games of this run's training pool are replayed (SelfImitation.run keeps only those)
-            self.imitation.load_state_dict(checkpoint["textrl"]["self_imitation"])
         if "frozen" in checkpoint["textrl"]:
             check_frozen(checkpoint, self.frozen_fingerprint or "", f"ckpt_path={self.cfg.ckpt_path}")
         elif self.frozen_keys and frozen_fingerprint(self.policy, checkpoint["state_dict"], "policy.") != self.frozen_fingerprint:
