@@ -115,7 +115,7 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
     if policy is not None:
         device = next(policy.parameters()).device  # load_source's (every input follows the policy)
         precision = resolve_precision(precision, policy, device, cache_dir)  # auto: as training decides it
-        player = Player(policy, tokenizer, [ConstrainedDecoder(policy)],
+        player = Player(policy, tokenizer, [ConstrainedDecoder(policy, drop_cut_turns=env.drop_turns_from_cache)],
                         autocast=lambda: autocast_context(precision, device))
     episodes: list[Episode] = []
     for start in range(0, len(paths), batch):

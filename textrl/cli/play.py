@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if policy is None:
             return _run_game(env, lambda obs: _ask(obs, _read))
-        decoder = ConstrainedDecoder(policy)  # its inputs on the policy's device
-        decoder.drop_cut_turns = env_cfg.drop_turns_from_cache
+        # its inputs on the policy's device
+        decoder = ConstrainedDecoder(policy, drop_cut_turns=env_cfg.drop_turns_from_cache)
         # one autocast for the whole game: the decoder's KV cache is kept in its dtype between turns
         with torch.no_grad(), autocast_context(precision, device, policy, args.cache_dir), \
                 policy.frozen_linears_in_autocast_dtype():
