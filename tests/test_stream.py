@@ -113,8 +113,7 @@ def test_a_dropped_stretch_is_gone_from_the_cache_and_the_rest_computes_as_maske
 
 
 def play(policy, tokenizer, games, history_len=2, max_steps=10, budget=4096):
-    decoder = ConstrainedDecoder(policy)
-    decoder.drop_cut_turns = True  # env.drop_turns_from_cache=true
+    decoder = ConstrainedDecoder(policy, drop_cut_turns=True)  # env.drop_turns_from_cache=true
     prompts = PromptBuilder(tokenizer, max_prompt_tokens=budget)
     envs = [TextGame(p, max_steps, history_len=history_len) for p in games]
     episodes, _ = decode_episodes(envs, [decoder], prompts, Sampling(1.0, list(range(len(games)))))

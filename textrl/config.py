@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
+# positions kept free after the prompt for the command being decided: its tokens and the end token.
+# Every command must fit (``textrl.games.prompt.PromptBuilder.trie``): TextWorld's longest are about 15 tokens.
+COMMAND_ROOM = 64
+MIN_PROMPT_TOKENS = 128  # the least env.max_prompt_tokens validate allows
+
 
 # One source of truth for each default: the dataclass defaults below ARE the defaults of
 # `python train.py` (SmolLM2-135M on easy games, CPU-sized). A group's default option
@@ -448,7 +453,8 @@ def _check_env(e: EnvConfig) -> None:
     _check("env.step_workers", e.step_workers, e.step_workers >= 0, "an integer >= 0 (0: no worker processes)")
     _check("env.decode_groups", e.decode_groups, e.decode_groups is None or 1 <= e.decode_groups <= e.num_envs,
            f"an integer in [1, env.num_envs={e.num_envs}], or null (4 on a CPU, 1 on a GPU)")
-    _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= 128, "an integer >= 128")
+    _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= MIN_PROMPT_TOKENS,
+           f"an integer >= {MIN_PROMPT_TOKENS}")
     _check("env.keep_answers", list(e.keep_answers), all(isinstance(v, str) and v and v.split() == [v]
                                                         for v in e.keep_answers),
            "a list of single words, the verbs of commands (e.g. [read])")
@@ -571,12 +577,6 @@ def _check_memory(m: MemoryConfig, t: TrainerConfig) -> None:
     # 4-bit (memory=qlora) runs on a CPU too: bitsandbytes >= 0.50 has CPU kernels for NF4 (slowly)
     _check("memory.precision", m.precision, m.precision != "16-mixed" or _trains_on_cuda(t),
            "needs a CUDA GPU and none is available; on a CPU use memory=bf16 (or memory.precision=bf16-mixed)")
-
-
-# positions kept free after the prompt for the command being decided: its tokens and the end token.
-# Every command must fit (``textrl.games.prompt.PromptBuilder.trie``): TextWorld's longest are about 15 tokens.
-COMMAND_ROOM = 64
-MIN_PROMPT_TOKENS = 128  # the least env.max_prompt_tokens validate allows
 
 
 @dataclass(frozen=True)
