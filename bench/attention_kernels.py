@@ -89,9 +89,7 @@ def rollouts(env_name: str, rounds: int) -> dict:
     policy, tokenizer = build_policy(load_model_config("smollm2"))
     policy.eval()
     games = GamePool(GameSpec.from_env(env)).games("eval", 16)
-    decoders = [ConstrainedDecoder(policy) for _ in range(default_decode_groups(16, cuda=False))]
-    for d in decoders:
-        d.drop_cut_turns = True
+    decoders = [ConstrainedDecoder(policy, drop_cut_turns=True) for _ in range(default_decode_groups(16, cuda=False))]
     player = Player(policy, tokenizer, decoders, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     measured = cpu_attention.matmul_is_faster
     runs = {"fused": [], "products": []}

@@ -33,7 +33,6 @@ def train_config(overrides: list[str], output_dir: str = "unused"):
 
         from textrl.policy.device import trainer_device
         from textrl.policy.model import build_policy
-        from textrl.policy.precision import resolve_auto_precision
 
         threads = torch.get_num_threads()
         if cfg.threads:  # measured with the run's threads: part of the decision's key
@@ -41,8 +40,29 @@ def train_config(overrides: list[str], output_dir: str = "unused"):
         try:
             device = trainer_device(cfg.trainer)
             policy, _ = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory, device)
-            choice = resolve_auto_precision(cfg, policy, device)
+            cfg, choice = _decided(cfg, policy, device)
             print(f"memory={cfg.memory.name}: {choice.describe()}", flush=True)
         finally:
             torch.set_num_threads(threads)
     return cfg
+
+
+def _decided(cfg, policy, device):
+    """``cfg`` with ``memory.precision=auto`` (and ``ppo.recompute_old``) decided on ``policy`` as
+    ``train`` decides them, and the choice: ``resolve`` with the model's facts (its positions left
+    out: the prompt budget stays the config's), or an older tree's in-place decision."""
+    try:
+        from textrl.config import ModelFacts, resolve
+    except ImportError:  # a tree whose resolve takes no model facts decides in place
+        from textrl.policy.precision import resolve_auto_precision
+
+        return cfg, resolve_auto_precision(cfg, policy, device)
+    from textrl.policy.precision import choose_precision
+
+    choices = []
+
+    def measured() -> str:
+        choices.append(choose_precision(policy, device, cfg.cache_dir))
+        return choices[-1].precision
+
+    return resolve(cfg, ModelFacts(None, measured)), choices[0]

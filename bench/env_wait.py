@@ -52,7 +52,8 @@ def main(argv=None):
             games = GamePool(GameSpec.from_env(env), workers=env.workers).games("train", n)
             seeds = episode_seeds(args.seed, 0, games)
             for where, groups in [*(("process", g) for g in args.groups), ("workers", 2)]:
-                player = Player(policy, tokenizer, [ConstrainedDecoder(policy) for _ in range(groups)],
+                player = Player(policy, tokenizer, [ConstrainedDecoder(policy, drop_cut_turns=env.drop_turns_from_cache)
+                                                    for _ in range(groups)],
                                 autocast=lambda: autocast_context(precision, "cpu"),
                                 workers=workers if where == "workers" else None)
                 episodes, stats = play_games(player, games, env, Sampling(1.0, seeds))

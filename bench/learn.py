@@ -77,7 +77,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # measured RL alone: "rl_alone" is that default, and the levers below sit on the warm start now.
 CONFIGS = {
     "default": [],
-    "goal_first": ["env.goal_last=false"],  # the objective in the system message only (the seed's prompt)
+    "goal_first": ["env.goal_last=false"],  # the objective in the system message only (the blog post's prompt)
     "grpo": ["env.group_size=4", "ppo.advantage=grpo"],  # 4 games x 4 samples, no value head
     "rloo": ["env.group_size=4", "ppo.advantage=rloo"],
     # + each turn's return against the group's turns from the same state (GiGPO's step groups)

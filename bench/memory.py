@@ -2,12 +2,12 @@
 
 Each (architecture, option) runs in a fresh process: the model is built randomly initialised from
 its known configuration (memory does not depend on the weight values; the real weights need a hub
-this machine cannot reach), then one PPO update at the seed's batch shape (2 sequences per forward)
+this machine cannot reach), then one PPO update at the blog post's batch shape (2 sequences per forward)
 runs through textrl's own policy, loss and optimizer code: forward, backward, grad-norm clip,
 optimizer step. On a CPU the figure is the process's peak RSS (so it includes Python, torch and
 transformers, ~0.6 GB, but not the transient peak of building the model: freed memory is returned
 to the OS first and the RSS is sampled every millisecond during the update); with a GPU, peak
-allocated CUDA memory. All blocks are trained (model.trainable_layers=null), as in the seed.
+allocated CUDA memory. All blocks are trained (model.trainable_layers=null), as in the blog post.
 
 ``qlora`` quantises a pretrained model as it loads (textrl refuses ``memory=qlora`` with
 ``model.source=random``: a model built from its config takes no 4-bit quantisation), so for it the
@@ -78,12 +78,12 @@ def measure(arch: str, option: str, seq_len: int, batch: int) -> dict:
                                   tokenizer_from=load_model_config(arch).tokenizer_from or arch)
     cfg.memory = load_memory_config(option)
     if not cuda and cfg.memory.precision == "16-mixed" and option == "lowmem":
-        cfg.memory.precision = "bf16-mixed"  # the seed's combination without fp16, as on any CPU
+        cfg.memory.precision = "bf16-mixed"  # the blog post's combination without fp16, as on any CPU
     folder = tempfile.TemporaryDirectory(prefix=f"memory-{arch}-")  # removed when this function returns
     if cfg.memory.quantize_4bit:  # a pretrained model from disk (module docstring), never a fake qlora
         cfg.model = saved_model(cfg.model, folder.name)
     try:
-        resolve(validate(cfg))
+        cfg = resolve(validate(cfg))
     except ValueError as exc:
         return {"skipped": str(exc)}
     device = torch.device("cuda" if cuda else "cpu")
@@ -163,7 +163,7 @@ def main(argv=None):
     ap.add_argument("--archs", nargs="*", default=ARCHS)
     ap.add_argument("--options", nargs="*", default=OPTIONS)
     ap.add_argument("--seq-len", type=int, default=384, help="tokens per sequence (prompt + command)")
-    ap.add_argument("--batch", type=int, default=2, help="sequences per forward (the seed: 2, x32 accumulation)")
+    ap.add_argument("--batch", type=int, default=2, help="sequences per forward (the blog post: 2, x32 accumulation)")
     ap.add_argument("--out", default="bench/results/memory.json")
     ap.add_argument("--worker", nargs=2, metavar=("ARCH", "OPTION"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

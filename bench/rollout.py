@@ -1,8 +1,8 @@
-"""Decisions per second of the rollout loop: this decoder vs. the seed's naive decoder.
+"""Decisions per second of the rollout loop: this decoder vs. the blog post's naive decoder.
 
-The naive decoder is the seed's method: at every decision it re-pads and re-encodes the whole
+The naive decoder is the blog post's method: at every decision it re-pads and re-encodes the whole
 prompt plus the partial command for all environments still choosing, with no KV cache. It is made
-as fast as that method allows: it computes the logits of the last position only (the seed took the
+as fast as that method allows: it computes the logits of the last position only (the blog post took the
 full-vocabulary logits of every position) and reads only the allowed children's, as the cached
 decoder does. Both decoders play the same games from the same seeds through training's
 ``play_games`` (the env's prompt, the run's autocast -- ``memory=auto``: the faster of bf16 and fp32 on this CPU
@@ -35,13 +35,13 @@ from textrl.rollout import Player, Sampling, episode_seeds, play_games
 
 
 class NaiveDecoder:
-    """Re-encodes everything for every decision token (the seed's decoder), same sampling rule."""
+    """Re-encodes everything for every decision token (the blog post's decoder), same sampling rule."""
 
     def __init__(self, policy: PolicyValueModel, pad_id: int):
         self.policy = policy
         self.pad_id = pad_id
 
-    def reset(self) -> None:
+    def reset(self, record: bool = False) -> None:  # nothing is kept between calls, nothing recorded
         pass
 
     @torch.no_grad()
@@ -90,7 +90,7 @@ def main(argv=None):
     groups = args.groups or default_decode_groups(args.envs, cuda=False)
     # both play as training's rollouts do (play_games): env's prompt, the run's autocast, frozen
     # weights cast once per rollout; only the decoders differ
-    decoders = {"cached": [ConstrainedDecoder(policy) for _ in range(groups)],
+    decoders = {"cached": [ConstrainedDecoder(policy, drop_cut_turns=env.drop_turns_from_cache) for _ in range(groups)],
                 "naive": [NaiveDecoder(policy, tokenizer.pad_token_id) for _ in range(groups)]}
     players = {name: Player(policy, tokenizer, d, autocast=lambda: autocast_context(precision, "cpu"))
                for name, d in decoders.items()}

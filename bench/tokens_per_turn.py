@@ -36,8 +36,7 @@ from textrl.rollout import Sampling, decode_episodes
 
 
 def count(policy, tokenizer, env, games, keep: bool) -> dict:
-    decoder = ConstrainedDecoder(policy)
-    decoder.drop_cut_turns = keep
+    decoder = ConstrainedDecoder(policy, drop_cut_turns=keep)
     prompts = PromptBuilder.for_env(tokenizer, env)
     envs = [open_game(g, env) for g in games]
     with torch.no_grad():

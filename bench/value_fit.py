@@ -39,13 +39,14 @@ import torch
 
 from compose import train_config  # bench/compose.py (the script directory is on sys.path)
 from result import write_result  # bench/result.py
-from textrl.games.prompt import fit_to_positions
+from textrl.config import ModelFacts, resolve
 from textrl.policy.device import trainer_device
 from textrl.policy.model import ValueHead, build_policy
 from textrl.ppo.advantages import rollout_advantages
 from textrl.ppo.losses import explained_variance
 from textrl.ppo.sequences import decision_forward
 from textrl.rollout import Sampling, episode_seeds, play_games
+from textrl.training.curriculum import generate_games
 from textrl.training.datamodule import RolloutDataModule
 from textrl.training.module import PPOModule, temperature_at
 
@@ -147,18 +148,18 @@ def main(argv=None) -> dict:
         raise SystemExit(f"measure in fp32 (memory=none): this script has no autocast for {cfg.memory.precision}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    datamodule = RolloutDataModule(cfg)
-    datamodule.prepare_data()
-    datamodule.setup("fit")
+    generate_games(cfg)
     policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cfg.cache_dir, cfg.memory,
                                      trainer_device(cfg.trainer))
     if cfg.model.init_from:
-        from textrl.cli.train import _init_from
         from textrl.policy.checkpoint import load_policy_weights
+        from textrl.training.run import init_from
 
-        load_policy_weights(policy, _init_from(cfg), cfg.memory.lora, f"model.init_from={cfg.model.init_from}")
-    cfg.env = fit_to_positions(cfg.env, policy.position_limit, cfg.model.name)
-    datamodule.curriculum.fit_to_positions(policy.position_limit)
+        load_policy_weights(policy, init_from(cfg), cfg.memory.lora, f"model.init_from={cfg.model.init_from}")
+    cfg = resolve(cfg, ModelFacts(policy.position_limit))  # the prompts within its positions, as train's
+    datamodule = RolloutDataModule(cfg, policy.position_limit)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
     module = PPOModule(cfg, policy, tokenizer)
 
     rollouts = []

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from textrl.config import CONF_DIR, load_model_config, register_configs, to_train_config
+from textrl.config import CONF_DIR, check_renamed_options, load_model_config, register_configs, to_train_config
 from textrl.games.pool import GamePool
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.model import build_policy
@@ -36,6 +36,7 @@ def config(tmp_path, *overrides):
     # fp32 unless a test picks a memory option: the default (memory=auto) is bf16 on some machines,
     # and the exactness checks (ratio 1 within 1e-4, resumed == straight) are fp32 invariants
     memory = [] if any(o.startswith("memory=") for o in overrides) else ["memory=none"]
+    check_renamed_options(list(overrides))  # as python train.py refuses them
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"output_dir={tmp_path}", *SMALL, *memory, *overrides])
     return to_train_config(cfg)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import config
-from textrl import cli
+import textrl.cli.train as cli
 from textrl.cli.attention import main
 from textrl.config import load_model_config
 from textrl.policy.checkpoint import load_checkpoint_policy
@@ -18,7 +18,7 @@ from textrl.policy.model import build_policy
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
-    return cli.train.train(config(run, "iterations=1", "eval.before_training=false"))["last"]
+    return cli.train(config(run, "iterations=1", "eval.before_training=false"))["last"]
 
 
 def test_attention_command_draws_the_models_own_attention(checkpoint, tmp_path):

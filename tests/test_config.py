@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 import textrl.cli.train  # noqa: F401  (registers the schemas)
-from textrl.config import CONF_DIR, TrainConfig, resolve, to_train_config, validate
+from textrl.config import CONF_DIR, TrainConfig, check_renamed_options, resolve, to_train_config, validate
 from textrl.errors import ConfigError
 from textrl.games.express import java_available
 from textrl.games.pool import check_games
@@ -25,6 +25,7 @@ GROUPS = ["env", "model", "memory", "ppo", "logger", "trainer", "experiment", "c
 
 def compose_train(overrides=()):
     """The config ``python train.py <overrides>`` starts with, checked as ``train()`` checks it."""
+    check_renamed_options(list(overrides))  # as the entry refuses them, before Hydra composes
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = to_train_config(compose("train", overrides=["output_dir=/tmp/unused", *overrides]))
     check_games(cfg)
@@ -96,7 +97,7 @@ def test_the_dataclass_defaults_are_the_defaults_of_train_py():
 def test_validate_only_checks_and_resolve_decides_the_auto_values():
     cfg = validate(TrainConfig(output_dir="/tmp/unused"))
     assert (cfg.memory.precision, cfg.env.decode_groups, cfg.ppo.recompute_old) == ("auto", None, None)
-    resolve(cfg)
+    cfg = resolve(cfg)
     assert cfg.env.decode_groups >= 1
     if torch.cuda.is_available():  # on CUDA resolve decides the precision; on a CPU a measurement on the model does
         assert cfg.memory.precision in {"32-true", "bf16-mixed"}

@@ -131,8 +131,7 @@ def test_truncated_history_drops_the_cached_row_and_stays_exact(tiny, easy_games
 
     policy, tokenizer = tiny
     short = PromptBuilder(tokenizer, max_prompt_tokens=400)
-    decoder = ConstrainedDecoder(policy)
-    decoder.drop_cut_turns = False
+    decoder = ConstrainedDecoder(policy, drop_cut_turns=False)
     episodes, stats = decode_episodes([TextGame(p, 8) for p in easy_games[4:7]], [decoder], short)
     restarts = sum(step.prompt_ids[: len(prev.prompt_ids)] != prev.prompt_ids
                    for e in episodes for prev, step in zip(e.steps, e.steps[1:]))

@@ -138,14 +138,14 @@ def test_the_rollout_records_the_frozen_output_the_update_replays(budget, easy_g
     torch.manual_seed(0)
     policy, tokenizer = build_policy(load_model_config("tiny", trainable_layers=1))
     frozen = FrozenPrefix.of(policy.lm)
-    decoder = ConstrainedDecoder(policy)
-    decoder.capture = frozen
+    decoder = ConstrainedDecoder(policy, capture=frozen)
     prompts = PromptBuilder(tokenizer, max_prompt_tokens=budget)
     episodes, _ = decode_episodes([TextGame(p, 6) for p in easy_games[:4]], [decoder], prompts,
                                   Sampling(1.0, list(range(4))), bootstrap=True)
     rollout = training_sequences(episodes)
     sequences, captured = rollout.sequences, rollout.prefix_outputs
-    assert all(step.action.prefix_output is None for e in episodes for step in e.steps)  # taken over
+    # read, not taken: the episodes keep theirs until the update releases them (release_prefix_outputs)
+    assert all(step.action.prefix_output is not None for e in episodes for step in e.steps if step.action.decisions)
     assert len(sequences) >= 4 and all(c is not None for c in captured)
     if budget == 400:  # a sequence per restart, each with its own recording
         assert len(sequences) > len(episodes)

@@ -87,9 +87,9 @@ def test_textrl_eval_caps_another_settings_budget_to_the_checkpoints_positions(t
 
 
 def test_fit_to_positions_caps_with_one_log_line_and_leaves_room_for_the_command(caplog):
-    from textrl.games.prompt import COMMAND_ROOM, fit_to_positions
+    from textrl.config import COMMAND_ROOM, fit_to_positions
 
-    caplog.set_level(logging.INFO, logger="textrl.games.prompt")
+    caplog.set_level(logging.INFO, logger="textrl.config")
     env = EnvConfig(name="hard", max_prompt_tokens=2048)
     capped = fit_to_positions(env, 1024, "gpt2")
     assert capped.max_prompt_tokens == 1024 - COMMAND_ROOM == 960
@@ -104,7 +104,7 @@ def test_fit_to_positions_caps_with_one_log_line_and_leaves_room_for_the_command
 
 
 def test_a_model_too_small_for_the_least_prompt_is_refused_before_training(tmp_path):
-    from textrl.games.prompt import fit_to_positions
+    from textrl.config import fit_to_positions
 
     with pytest.raises(ConfigError, match="150 positions: 86 for the prompt .* under the least "
                                           r"env.max_prompt_tokens \(128\); use a model with at least 192"):
@@ -125,7 +125,8 @@ def test_the_position_limit_is_the_models_configured_positions():
 
 def test_a_command_longer_than_the_room_left_for_it_is_refused(tiny):
     from textrl.games.env import Observation
-    from textrl.games.prompt import COMMAND_ROOM, PromptBuilder, PromptTooLongError
+    from textrl.config import COMMAND_ROOM
+    from textrl.games.prompt import PromptBuilder, PromptTooLongError
 
     prompts = PromptBuilder(tiny[1])
     obs = Observation("win", "a room", "nothing", "", ["go north", "take " + " and ".join(["the blue key"] * 20)],

@@ -10,9 +10,10 @@ import torch
 
 import textrl.cli.train as cli
 import textrl.policy.precision as precision
-from textrl.config import PPOConfig, TrainConfig, TrainerConfig, resolve, validate
+from textrl.config import ModelFacts, PPOConfig, TrainConfig, TrainerConfig, resolve, validate
 from textrl.policy.checkpoint import load
-from textrl.policy.precision import autocast_context, choose_precision, linear_shapes, resolve_auto_precision
+from textrl.policy.precision import autocast_context, choose_precision, linear_shapes
+from textrl.training.run import model_facts
 from tests.conftest import config
 
 
@@ -101,7 +102,7 @@ def test_forced_precisions_and_cuda_are_not_measured(tiny, cache, monkeypatch, t
     timing = stub(monkeypatch, 100.0, 300.0)
     for memory, expected in [("none", "32-true"), ("bf16", "bf16-mixed")]:
         cfg = config(tmp_path, f"memory={memory}")
-        assert resolve_auto_precision(cfg, tiny[0], "cpu") is None
+        cfg = resolve(cfg, model_facts(cfg, tiny[0], torch.device("cpu"), None))
         assert (cfg.memory.precision, cfg.ppo.recompute_old) == (expected, expected != "32-true")
     for native in (True, False):  # CUDA: bf16 where the GPU computes it natively, as before
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
@@ -116,11 +117,11 @@ def test_resolve_leaves_auto_to_the_measurement_on_a_cpu(tiny, cache, monkeypatc
     timing = stub(monkeypatch, 300.0, 100.0)
     cfg = resolve(validate(TrainConfig(output_dir="/tmp/unused", trainer=TrainerConfig(accelerator="cpu"))))
     assert (cfg.memory.precision, cfg.ppo.recompute_old) == ("auto", None)
-    choice = resolve_auto_precision(cfg, tiny[0], "cpu")
-    assert (choice.precision, cfg.memory.precision, cfg.ppo.recompute_old, timing.calls) == ("32-true",) * 2 + (False, 1)
+    cfg = resolve(cfg, ModelFacts(tiny[0].position_limit, lambda: choose_precision(tiny[0], "cpu").precision))
+    assert (cfg.memory.precision, cfg.ppo.recompute_old, timing.calls) == ("32-true", False, 1)
     cfg = resolve(validate(TrainConfig(output_dir="/tmp/unused", trainer=TrainerConfig(accelerator="cpu"),
                                        ppo=PPOConfig(recompute_old=True))))
-    resolve_auto_precision(cfg, tiny[0], "cpu")
+    cfg = resolve(cfg, ModelFacts(tiny[0].position_limit, lambda: choose_precision(tiny[0], "cpu").precision))
     assert (cfg.memory.precision, cfg.ppo.recompute_old) == ("32-true", True)  # an explicit value stays
 
 
@@ -151,9 +152,9 @@ def test_training_decides_at_start_and_logs_both_figures_and_the_choice(tmp_path
     cfg = config(tmp_path, "memory=auto", "iterations=1", "eval.before_training=false", "eval.games=2",
                  "eval.batch=2", "eval.train_games=0", "eval.transcripts=0")
     assert (cfg.memory.precision, cfg.ppo.recompute_old) == ("auto", None)  # resolve left them to the measurement
-    caplog.set_level(logging.INFO, logger="textrl.cli.train")
+    caplog.set_level(logging.INFO, logger="textrl.training.run")
     result = cli.train(cfg)
-    lines = [r.getMessage() for r in caplog.records if r.name == "textrl.cli.train" and r.getMessage().startswith("memory=")]
+    lines = [r.getMessage() for r in caplog.records if r.name == "textrl.training.run" and r.getMessage().startswith("memory=")]
     assert len(lines) == 1, lines
     assert lines[0].startswith("memory=auto: precision bf16-mixed: ")
     assert "123.4 GFLOP/s in fp32" in lines[0] and "567.8 GFLOP/s under bf16 autocast" in lines[0]
@@ -176,6 +177,5 @@ def test_a_rank_started_with_rank_0s_decision_takes_it_without_measuring(tiny, c
     policy, _ = tiny
     timing = stub(monkeypatch, 300.0, 100.0)
     cfg = validate(TrainConfig(trainer=TrainerConfig(accelerator="cpu")))
-    cfg = resolve(cfg)
-    assert resolve_auto_precision(cfg, policy, "cpu", decided="bf16-mixed") is None
+    cfg = resolve(resolve(cfg), model_facts(cfg, policy, torch.device("cpu"), decided="bf16-mixed"))
     assert (cfg.memory.precision, cfg.ppo.recompute_old, timing.calls) == ("bf16-mixed", True, 0)

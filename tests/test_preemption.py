@@ -90,7 +90,7 @@ def test_a_run_started_again_in_its_directory_resumes_and_a_finished_one_has_not
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert load(last)["textrl"]["iterations_done"] == 1
 
-    with caplog.at_level(logging.INFO, logger="textrl.cli.train"):
+    with caplog.at_level(logging.INFO, logger="textrl.training.run"):
         second = cli.train(config(tmp_path, *common))
     assert f"resuming from {last}: 1 of 2 iterations done" in caplog.text
     assert second["trainer"].current_epoch == 2 and load(last)["textrl"]["iterations_done"] == 2
@@ -99,12 +99,12 @@ def test_a_run_started_again_in_its_directory_resumes_and_a_finished_one_has_not
     assert float(trained[1]["rollout/temperature"]) == pytest.approx(0.995)
 
     files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    with caplog.at_level(logging.INFO, logger="textrl.cli.train"):
+    with caplog.at_level(logging.INFO, logger="textrl.training.run"):
         third = cli.train(config(tmp_path, *common))
     assert "nothing to do" in caplog.text and third["module"] is None and third["last"] == str(last)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
 
-    with caplog.at_level(logging.INFO, logger="textrl.cli.train"):
+    with caplog.at_level(logging.INFO, logger="textrl.training.run"):
         cli.train(config(tmp_path, "iterations=1", *common[1:], "resume=false"))
     assert "resume=false: starting over" in caplog.text
     assert load(last)["textrl"]["iterations_done"] == 1

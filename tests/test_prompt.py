@@ -23,7 +23,7 @@ def test_chat_template_prompt_holds_objective_observation_and_generation_prompt(
     assert prompts.chat and text.startswith("<|im_start|>system")
     assert obs.objective in text and obs.inventory in text
     assert text.endswith("<|im_start|>assistant\n")
-    assert "Commands:" not in text  # the seed leaves them out by default
+    assert "Commands:" not in text  # the blog post leaves them out by default
 
 
 def test_prompts_are_append_only_so_the_kv_cache_can_be_reused(prompts, easy_games):

@@ -113,8 +113,7 @@ def test_a_dropped_stretch_is_gone_from_the_cache_and_the_rest_computes_as_maske
 
 
 def play(policy, tokenizer, games, history_len=2, max_steps=10, budget=4096):
-    decoder = ConstrainedDecoder(policy)
-    decoder.drop_cut_turns = True  # env.drop_turns_from_cache=true
+    decoder = ConstrainedDecoder(policy, drop_cut_turns=True)  # env.drop_turns_from_cache=true
     prompts = PromptBuilder(tokenizer, max_prompt_tokens=budget)
     envs = [TextGame(p, max_steps, history_len=history_len) for p in games]
     episodes, _ = decode_episodes(envs, [decoder], prompts, Sampling(1.0, list(range(len(games)))))
@@ -228,12 +227,17 @@ def test_gradient_checkpointing_recomputes_the_stream_attention(easy_games):
 
 @pytest.mark.parametrize("drop", [True, False])
 def test_env_drop_turns_from_cache_switches_the_cuts_for_training_and_evaluation(tiny, easy_games, drop):
-    """``play_games`` (training rollouts, evaluation, textrl-eval) follows the env's setting: false
-    feeds a cut prompt again from position 0, one sequence per start."""
+    """Decoders made for the env's setting (training rollouts, evaluation, textrl-eval) follow it:
+    false feeds a cut prompt again from position 0, one sequence per start. ``play_games`` refuses
+    decoders made for the other setting rather than change them."""
     policy, tokenizer = tiny
     env = replace(load_env_config("easy"), history_len=2, max_steps=10, drop_turns_from_cache=drop)
-    player = Player(policy, tokenizer, [ConstrainedDecoder(policy)])
+    player = Player(policy, tokenizer, [ConstrainedDecoder(policy, drop_cut_turns=drop)])  # made for env's setting
     episodes, _ = play_games(player, easy_games[:2], env, Sampling(1.0, [0, 1]))
     sequences = training_sequences(episodes).sequences
     assert any(s.drops for s in sequences) == drop
     assert (len(sequences) == len(episodes)) == drop
+    other = [ConstrainedDecoder(policy, drop_cut_turns=not drop)]
+    with pytest.raises(ValueError, match=f"made with drop_cut_turns={{{not drop}}}"):
+        play_games(Player(policy, tokenizer, other), easy_games[:1], env)
+    assert other[0].drop_cut_turns is not drop

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import config
-from textrl import cli
+import textrl.cli.train as cli
 from textrl.games.env import TextGame
 from textrl.policy.decoding import ConstrainedDecoder, score_commands
 from textrl.policy.trie import CommandTrie
@@ -43,7 +43,7 @@ def test_wandb_run_logs_the_transcripts_as_a_table(tmp_path, monkeypatch):
     import wandb
 
     wandb.finish()  # a run another test left open would be reused by the logger (and log elsewhere)
-    cli.train.train(config(tmp_path, "logger=wandb", "iterations=1", "eval.transcripts=2"))
+    cli.train(config(tmp_path, "logger=wandb", "iterations=1", "eval.transcripts=2"))
     wandb.finish()
     os.environ.pop("WANDB_MODE", None)
     tables = sorted(tmp_path.glob("wandb/offline-run-*/files/media/table/eval/transcripts_*.table.json"),
@@ -63,7 +63,7 @@ def test_wandb_run_logs_the_transcripts_as_a_table(tmp_path, monkeypatch):
 def test_tensorboard_run_logs_the_transcripts_as_text(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cli.train.train(config(tmp_path, "logger=tensorboard", "iterations=1", "eval.transcripts=2"))
+    cli.train(config(tmp_path, "logger=tensorboard", "iterations=1", "eval.transcripts=2"))
     events = EventAccumulator(str(tmp_path / "logs"), size_guidance={"tensors": 0})
     events.Reload()
     before, text = events.Tensors("eval/transcripts/text_summary")  # before training, after iteration 1
@@ -79,7 +79,7 @@ def test_probe_probabilities_are_the_policys_own_for_each_walkthrough_first_comm
     from textrl.games.pool import game_name
     from textrl.games.prompt import PromptBuilder
 
-    result = cli.train.train(config(tmp_path, "iterations=1", "eval.probes=3"))
+    result = cli.train(config(tmp_path, "iterations=1", "eval.probes=3"))
     module = result["module"]
     probes = result["trainer"].datamodule.eval_games[:3]
     last = [r for r in read_metrics(tmp_path) if r.get("probe/mean")][-1]  # after iteration 1: the final weights

@@ -3,11 +3,12 @@
 Every group in ``conf/`` is typed by a dataclass here, registered in Hydra's ConfigStore, so an
 unknown key or a wrongly typed value fails when the config is composed. Value checks (ranges,
 choices) run in ``validate`` before anything is built, one function per group, and name the key,
-the value and what is allowed. ``resolve`` then decides the values left to the machine
-(``memory.precision=auto``, ``env.decode_groups=null``, ``ppo.recompute_old=null``; on a CPU
-the precision, and ``recompute_old`` with it, are decided once the model is built, by measurement:
-``textrl.policy.precision``). Whether the games of a setting can be made is the games layer's
-check (``textrl.games.pool.check_games``).
+the value and what is allowed. ``resolve`` then returns a new config with the values left to the
+machine and the model decided (``memory.precision=auto``, ``env.decode_groups=null``,
+``ppo.recompute_old=null``, the prompt budget within the model's positions; on a CPU the precision
+is measured on the built model, ``textrl.policy.precision``); nothing writes to a config after it.
+Whether the games of a setting can be made is the games layer's check
+(``textrl.games.pool.check_games``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -27,6 +28,11 @@ from textrl.errors import ConfigError
 log = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+# positions kept free after the prompt for the command being decided: its tokens and the end token.
+# Every command must fit (``textrl.games.prompt.PromptBuilder.trie``): TextWorld's longest are about 15 tokens.
+COMMAND_ROOM = 64
+MIN_PROMPT_TOKENS = 128  # the least env.max_prompt_tokens validate allows
 
 
 # One source of truth for each default: the dataclass defaults below ARE the defaults of
@@ -122,9 +128,9 @@ ADVANTAGES = {"gae", "grpo", "rloo", "gigpo"}  # ppo.advantage: textrl/ppo/advan
 
 @dataclass
 class PPOConfig:
-    """The CPU sizing (``ppo=cpu``, the default); ``ppo=seed`` sets the GPU runs' values. A CPU run
-    makes few optimizer steps, hence the larger learning rates, 2 epochs and one sequence per forward
-    (padding is pure waste on a CPU)."""
+    """The CPU sizing (``ppo=cpu``, the default); ``ppo=blog`` sets the blog post's GPU values. A CPU
+    run makes few optimizer steps, hence the larger learning rates, 2 epochs and one sequence per
+    forward (padding is pure waste on a CPU)."""
 
     lr_lm: float = 1e-4
     lr_lm_min: float = 1e-5  # cosine decay floor, reached at the last iteration
@@ -307,7 +313,8 @@ def _check_env(e: EnvConfig) -> None:
     _check("env.step_workers", e.step_workers, e.step_workers >= 0, "an integer >= 0 (0: no worker processes)")
     _check("env.decode_groups", e.decode_groups, e.decode_groups is None or 1 <= e.decode_groups <= e.num_envs,
            f"an integer in [1, env.num_envs={e.num_envs}], or null (4 on a CPU, 1 on a GPU)")
-    _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= 128, "an integer >= 128")
+    _check("env.max_prompt_tokens", e.max_prompt_tokens, e.max_prompt_tokens >= MIN_PROMPT_TOKENS,
+           f"an integer >= {MIN_PROMPT_TOKENS}")
     _check("env.keep_answers", list(e.keep_answers), all(isinstance(v, str) and v and v.split() == [v]
                                                         for v in e.keep_answers),
            "a list of single words, the verbs of commands (e.g. [read])")
@@ -417,33 +424,74 @@ def _check_memory(m: MemoryConfig, t: TrainerConfig) -> None:
            "needs a CUDA GPU and none is available; on a CPU use memory=bf16 (or memory.precision=bf16-mixed)")
 
 
-def resolve(cfg: TrainConfig) -> TrainConfig:
-    """The values a config leaves to the machine, decided in place (after ``validate``; idempotent):
-    ``env.decode_groups=null`` (``default_decode_groups``), ``memory.precision=auto`` where the run
-    trains on CUDA (bf16-mixed where the GPU computes in bf16 natively, else 32-true) and
-    ``ppo.recompute_old=null`` (true exactly under mixed precision) once the precision is known.
+@dataclass(frozen=True)
+class ModelFacts:
+    """What resolving needs to know of the built policy (``resolve``)."""
 
-    On a CPU, ``memory.precision=auto`` is left ``auto``, and ``ppo.recompute_old=null`` with it:
-    the CPU's choice is measured on the built model
-    (``textrl.policy.precision.resolve_auto_precision``, which ``train`` calls right after
-    ``build_policy``, before the warm start, the module and the Trainer read them). Code that
-    reads either before that point sees ``auto`` / None."""
+    position_limit: Optional[int]  # positions the model can index (PolicyValueModel.position_limit); None: no limit
+    # memory.precision=auto on a CPU: a decision made before (a resumed run's, DDP's rank 0's), or the
+    # measurement on the model (textrl.policy.precision.choose_precision); called only where it is needed
+    cpu_precision: Optional[Callable[[], str]] = None
+
+
+def resolve(cfg: TrainConfig, facts: Optional[ModelFacts] = None) -> TrainConfig:
+    """A new config with the values ``cfg`` leaves to the machine and the model decided (after
+    ``validate``; ``cfg`` itself is not changed, and resolving a resolved config changes nothing):
+    ``memory.precision=auto`` (on CUDA bf16-mixed where the GPU computes in bf16 natively, else
+    32-true; on a CPU ``facts.cpu_precision``'s), ``ppo.recompute_old=null`` (true exactly under
+    mixed precision), ``env.decode_groups=null`` (``default_decode_groups``) and
+    ``env.max_prompt_tokens`` within the model's positions (``fit_to_positions``).
+
+    Without ``facts`` (composing a config, before the model is built) a CPU's ``auto`` stays
+    ``auto``, ``recompute_old=null`` with it, and the prompt budget is the config's: ``train``
+    resolves again with the built policy's facts, before anything reads them."""
     cuda = _trains_on_cuda(cfg.trainer)
-    if cfg.memory.precision == "auto" and cuda:
-        cfg.memory.precision = "bf16-mixed" if native_bf16(True) else "32-true"
-    elif cfg.memory.precision == "bf16-mixed" and cuda and not native_bf16(True):  # nothing refuses it
+    precision = cfg.memory.precision
+    if precision == "auto" and cuda:
+        precision = "bf16-mixed" if native_bf16(True) else "32-true"
+    elif precision == "auto" and facts is not None and facts.cpu_precision is not None:
+        precision = facts.cpu_precision()
+    elif precision == "bf16-mixed" and cuda and not native_bf16(True):  # nothing refuses it
         log.warning("memory.precision=bf16-mixed on a GPU without native bf16 (before Ampere): torch emulates it, "
                     "slowly; memory=fp16 (16-mixed) or memory=none (32-true) is faster there")
-    if cfg.env.decode_groups is None:
-        cfg.env.decode_groups = default_decode_groups(cfg.env.num_envs, cuda)
-    return resolve_recompute_old(cfg)
+    recompute_old = cfg.ppo.recompute_old
+    if recompute_old is None and precision != "auto":
+        recompute_old = precision != "32-true"
+    env = cfg.env
+    if env.decode_groups is None:
+        env = replace(env, decode_groups=default_decode_groups(env.num_envs, cuda))
+    if facts is not None:
+        env = fit_to_positions(env, facts.position_limit, cfg.model.name)
+    return _changed(cfg, env=env, memory=_changed(cfg.memory, precision=precision),
+                    ppo=_changed(cfg.ppo, recompute_old=recompute_old))
 
 
-def resolve_recompute_old(cfg: TrainConfig) -> TrainConfig:
-    """``ppo.recompute_old=null``: true exactly under mixed precision, once the precision is decided."""
-    if cfg.ppo.recompute_old is None and cfg.memory.precision != "auto":
-        cfg.ppo.recompute_old = cfg.memory.precision != "32-true"
-    return cfg
+def _changed(obj, **values):
+    """``obj`` itself where every value is already ``values``', else a copy with them."""
+    if all(getattr(obj, k) is v or getattr(obj, k) == v for k, v in values.items()):
+        return obj
+    return replace(obj, **values)
+
+
+def fit_to_positions(env: EnvConfig, limit: Optional[int], model: str = "the model") -> EnvConfig:
+    """``env`` with ``max_prompt_tokens`` capped so that a prompt plus the command decided after it
+    (``COMMAND_ROOM`` tokens) fits ``limit`` positions (``PolicyValueModel.position_limit``; None: no
+    limit). Past a learned position table (GPT-2: 1,024 positions, under env.max_prompt_tokens=1536)
+    a prompt would index out of it: an IndexError on a CPU, a device-side assert that poisons the
+    CUDA context on a GPU. Logs one line when it caps; a ConfigError when ``limit`` leaves less than
+    the least prompt budget (``MIN_PROMPT_TOKENS``)."""
+    if limit is None:
+        return env
+    budget = limit - COMMAND_ROOM
+    if budget < MIN_PROMPT_TOKENS:
+        raise ConfigError(f"{model} has {limit} positions: {budget} for the prompt after {COMMAND_ROOM} for the "
+                          f"command, under the least env.max_prompt_tokens ({MIN_PROMPT_TOKENS}); use a model with "
+                          f"at least {MIN_PROMPT_TOKENS + COMMAND_ROOM} positions")
+    if env.max_prompt_tokens <= budget:
+        return env
+    log.info("env %s: max_prompt_tokens %d -> %d, within %s's %d positions (%d left for the command)", env.name,
+             env.max_prompt_tokens, budget, model, limit, COMMAND_ROOM)
+    return replace(env, max_prompt_tokens=budget)
 
 
 def default_decode_groups(num_envs: int, cuda: bool) -> int:
@@ -475,8 +523,26 @@ def native_bf16(cuda: bool) -> bool:
     return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
+# options that were renamed: (group, old name) -> the new name and what it is
+RENAMED_OPTIONS = {("ppo", "seed"): "blog (the blog post's hyper-parameters)"}
+
+
+def check_renamed_options(overrides: list[str]) -> None:
+    """A ConfigError naming the new name of a renamed group option among command-line ``overrides``
+    (``ppo=seed``, a sweep's ``ppo=cpu,seed``): checked before Hydra composes, which would only say
+    that the option is not found."""
+    for override in overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        group = key.split("@")[0]
+        for name in value.split(",") if sep else ():
+            renamed = RENAMED_OPTIONS.get((group, name.strip()))
+            if renamed:
+                raise ConfigError(f"{group}={name.strip()} was renamed {group}={renamed}")
+
+
 def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """The composed Hydra config as a TrainConfig object, validated, then resolved for this machine."""
+    """The composed Hydra config as a TrainConfig object, validated, then resolved for this machine
+    (``resolve`` without the model's facts)."""
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, TrainConfig):
         obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))

@@ -29,7 +29,6 @@ from textrl.games.pool import game_name
 from textrl.games.prompt import PromptBuilder
 from textrl.games.workers import GameWorkers, reset_games, step_games_async
 from textrl.policy.decoding import Action, ConstrainedDecoder, Decision, DecodeProfile, forced_action
-from textrl.policy.frozen_prefix import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
 
 log = logging.getLogger(__name__)
@@ -154,7 +153,7 @@ def decode_episodes(envs: list[Game], decoders: list, prompts: PromptBuilder, sa
     (``run_episodes``). A row's command depends on its own seed only, so the grouping changes no draw.
     """
     for d in decoders:
-        d.reset()
+        d.reset(record=sampling is not None)  # a training rollout keeps what the update replays
     if sampling is not None and len(sampling.seeds) != len(envs):
         raise ValueError("sampling needs one seed per environment (see episode_seeds)")
     greedy = sampling is None
@@ -186,14 +185,14 @@ def decode_episodes(envs: list[Game], decoders: list, prompts: PromptBuilder, sa
 class Player:
     """A policy ready to play games: one decoder (KV cache) per group of games, the autocast the
     policy trains and is evaluated under, and the worker processes games step on (if any).
-    ``capture``: training rollouts record the frozen blocks' outputs for the update."""
+    Its decoders are made for the games it plays (``env.drop_turns_from_cache``) and, where the
+    update replays the frozen blocks' outputs, with their ``capture``: training rollouts record them."""
 
     policy: PolicyValueModel
     tokenizer: object
     decoders: list[ConstrainedDecoder]
     autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext
     workers: GameWorkers | None = None
-    capture: FrozenPrefix | None = None
 
     def close(self) -> None:
         if self.workers is not None:
@@ -208,15 +207,16 @@ def play_games(player: Player, games: list[Path], env: EnvConfig,
     and the benchmarks play through: the policy in eval mode (gradient checkpointing and dropout
     act in train mode only) under its autocast, with its frozen weights cast to the autocast dtype
     once for the rollout instead of at every call."""
+    cuts = {d.drop_cut_turns for d in player.decoders if isinstance(d, ConstrainedDecoder)}
+    if cuts - {env.drop_turns_from_cache}:  # a decoder is made for its games' setting, never changed by a call
+        raise ValueError(f"the player's decoders were made with drop_cut_turns={cuts}; these games have "
+                         f"env.drop_turns_from_cache={env.drop_turns_from_cache}")
     start = time.perf_counter()
     prompts = PromptBuilder.for_env(player.tokenizer, env)
     envs = player.workers.open(games, env) if player.workers else [open_game(g, env) for g in games]
     was_training = player.policy.training
     try:
         player.policy.eval()
-        for decoder in player.decoders:  # training rollouts keep the frozen blocks' outputs for the update
-            decoder.capture = None if sampling is None else player.capture
-            decoder.drop_cut_turns = env.drop_turns_from_cache
         with torch.no_grad(), player.autocast(), player.policy.frozen_linears_in_autocast_dtype():
             episodes, stats = decode_episodes(envs, player.decoders, prompts, sampling, bootstrap=sampling is not None)
     finally:

@@ -28,19 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from textrl.config import load_env_config, load_model_config
+from textrl.config import fit_to_positions, load_env_config, load_model_config
 from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec, game_name
-from textrl.games.prompt import PromptBuilder, fit_to_positions
-from textrl.policy.checkpoint import CheckpointError, checkpoint_config, load_policy_weights, read_checkpoint
+from textrl.games.prompt import PromptBuilder
+from textrl.policy.checkpoint import CheckpointError
 from textrl.policy.decoding import Cursor
-from textrl.policy.device import process_device
-from textrl.policy.model import ModelNotFoundError, build_policy
+from textrl.policy.loading import load_policy
+from textrl.policy.model import ModelNotFoundError
 from textrl.policy.precision import autocast_context
 
 
@@ -81,27 +80,19 @@ def opening_attention(path, game, prompts: PromptBuilder, models: dict) -> dict:
             "attention": {name: a.tolist() for name, a in layers.items()}}
 
 
-def eager(model_cfg):
-    return replace(model_cfg, attn_implementation="eager")
-
-
 def load_models(checkpoint: str, base: str | None, cache_dir: str | None = None, model_path: str | None = None,
                 device: torch.device | None = None):
-    """(tuned, base, tokenizer, the checkpoint's config), both on ``device`` (None:
-    ``process_device()``); models converted into ``cache_dir`` (None: $TEXTRL_CACHE or
+    """(tuned, base, tokenizer, the checkpoint's config), both with eager attention on ``device``
+    (None: ``process_device()``); models converted into ``cache_dir`` (None: $TEXTRL_CACHE or
     ~/.cache/textrl), never the checkpoint's."""
-    device = device if device is not None else process_device()
-    _, state = read_checkpoint(checkpoint, "--checkpoint")
-    cfg = checkpoint_config(state, model_path, f"--checkpoint={checkpoint}")
-    tuned, tokenizer = build_policy(eager(cfg.model), cfg.env.step_penalty, cache_dir, cfg.memory, device)
-    load_policy_weights(tuned, state, cfg.memory.lora, f"--checkpoint={checkpoint}")
-    base_cfg = load_model_config(base) if base else cfg.model
-    base_policy, base_tokenizer = build_policy(eager(base_cfg), cfg.env.step_penalty, cache_dir)
-    if base_tokenizer.get_vocab() != tokenizer.get_vocab():
+    tuned, tokenizer, cfg, _ = load_policy(checkpoint, option="--checkpoint", cache_dir=cache_dir, model_path=model_path,
+                                           device=device, attn_implementation="eager")
+    untrained = load_policy(model=load_model_config(base) if base else cfg.model, cache_dir=cache_dir, device=device,
+                            attn_implementation="eager")
+    if untrained.tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"--base {base} has another tokenizer than the checkpoint's model "
                                  f"({cfg.model.name}): the prompts would differ; use the same model family")
-    # a QLoRA policy was loaded onto the device; the rest is moved there
-    return tuned.to(device).eval(), base_policy.to(device).eval(), tokenizer, cfg
+    return tuned, untrained.policy, tokenizer, cfg
 
 
 def plot(out: Path, tokens: list[str], marked: list[int], layers: dict[str, torch.Tensor], shares: dict[str, list[float]],

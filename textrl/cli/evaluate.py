@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-from textrl.config import load_env_config, load_model_config
+from textrl.config import fit_to_positions, load_env_config
 from textrl.games.env import check_game_file, open_game
 from textrl.games.pool import GamePool, GameSpec
-from textrl.games.prompt import PromptBuilder, fit_to_positions
-from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
+from textrl.games.prompt import PromptBuilder
+from textrl.policy.checkpoint import CheckpointError
 from textrl.policy.decoding import ConstrainedDecoder
-from textrl.policy.device import process_device
-from textrl.policy.model import ModelNotFoundError, build_policy
+from textrl.policy.loading import LoadedPolicy, load_policy
+from textrl.policy.model import ModelNotFoundError
 from textrl.policy.precision import autocast_context, resolve_precision
 from textrl.rollout import Episode, Player, play_games, play_uniform
 from textrl.results import summarize
@@ -63,23 +63,17 @@ def game_files(paths: list[str]) -> list[Path]:
     return found
 
 
-def load_policy(policy_source: str, cache_dir: str | None = None, model_path: str | None = None,
-                device: str | torch.device | None = None):
-    """(policy, tokenizer, the env it was trained on or None, precision) of ``random``,
-    ``model:<name>`` (untrained) or ``checkpoint:<path>`` (``model_path``: the directory a checkpoint
-    was trained from, given by the user). The policy is on ``device`` (None: ``process_device()``:
-    this process's GPU as training picks it, else the CPU)."""
+def load_source(policy_source: str, cache_dir: str | None = None, model_path: str | None = None,
+                device: str | torch.device | None = None) -> LoadedPolicy | None:
+    """``random`` (None), ``model:<name>`` (untrained) or ``checkpoint:<path>`` (``model_path``: the
+    directory a checkpoint was trained from, given by the user), loaded by ``load_policy``."""
     if policy_source == "random":
-        return None, None, None, None
-    device = torch.device(device) if device is not None else process_device()
+        return None
     if policy_source.startswith("model:"):
-        policy, tokenizer = build_policy(load_model_config(policy_source.removeprefix("model:")), cache_dir=cache_dir)
-        return policy.to(device), tokenizer, None, "auto"  # decided on the policy as training decides it
+        return load_policy(model=policy_source.removeprefix("model:"), cache_dir=cache_dir, device=device)
     if policy_source.startswith("checkpoint:"):
-        policy, tokenizer, cfg = load_checkpoint_policy(policy_source.removeprefix("checkpoint:"), cache_dir=cache_dir,
-                                                        model_path=model_path, device=device)
-        # a QLoRA policy was loaded onto the device; any other is moved there
-        return policy.to(device), tokenizer, cfg, cfg.memory.precision  # the autocast it was trained (and evaluated) with
+        return load_policy(policy_source.removeprefix("checkpoint:"), cache_dir=cache_dir, model_path=model_path,
+                           device=device)
     raise ValueError(f"policy must be 'random', 'model:<name>' or 'checkpoint:<path>', got {policy_source!r}")
 
 
@@ -89,15 +83,17 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
              block_repeats: bool | None = None, first_game: int = 0) -> tuple[dict, list[Episode], list[list] | None]:
     """Play ``games`` held-out games of the env option ``env_name`` (default: the checkpoint's own
     setting, else easy), or the game ``files``. ``policy_source``: ``random``, ``model:<name>``
-    (untrained) or ``checkpoint:<path>``; ``loaded``: its ``load_policy`` result, to play several
-    settings with one load (it plays on the device it was loaded on). ``device``: where ``load_policy``
+    (untrained) or ``checkpoint:<path>``; ``loaded``: its ``load_source`` result, to play several
+    settings with one load (it plays on the device it was loaded on). ``device``: where ``load_source``
     puts the policy (None: ``process_device()``). Games are generated or found under ``cache_dir``
     (the user's, never a checkpoint's). Returns the summary, the episodes, and the transcript rows of
     the first ``transcripts`` episodes (None: all) with the policy's alternatives at each step (None
     for the random policy, which has none). ``block_repeats``: ``env.block_repeats`` for this play
     (None: the checkpoint's, else off). ``first_game``: the index of the first evaluation game played
     (0: the held-out set training evaluates on)."""
-    policy, tokenizer, cfg, precision = loaded or load_policy(policy_source, cache_dir, device=device)
+    if loaded is None:
+        loaded = load_source(policy_source, cache_dir, device=device)
+    policy, tokenizer, cfg, precision = loaded or (None, None, None, None)  # the random policy: none
     if cfg is not None:
         # another setting's games, shown with the prompt the policy was trained with
         env = load_env_config(env_name).with_prompt_of(cfg.env) if env_name else cfg.env
@@ -116,9 +112,9 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
                                 workers=env.workers).games("eval", games, start=first_game), env.name
     player = None
     if policy is not None:
-        device = next(policy.parameters()).device  # load_policy's (every input follows the policy)
+        device = next(policy.parameters()).device  # load_source's (every input follows the policy)
         precision = resolve_precision(precision, policy, device, cache_dir)  # auto: as training decides it
-        player = Player(policy, tokenizer, [ConstrainedDecoder(policy)],
+        player = Player(policy, tokenizer, [ConstrainedDecoder(policy, drop_cut_turns=env.drop_turns_from_cache)],
                         autocast=lambda: autocast_context(precision, device))
     episodes: list[Episode] = []
     for start in range(0, len(paths), batch):
@@ -235,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = game_files(args.games) if count is None else None
         for source, name in zip(sources, names):
-            loaded = load_policy(source, args.cache_dir, args.model_path)
+            loaded = load_source(source, args.cache_dir, args.model_path)
             for setting in settings:
                 summary, episodes, rows = evaluate(source, setting, games=int(count or 0), batch=args.batch,
                                                    seed=args.seed, cache_dir=args.cache_dir, files=files,

@@ -19,14 +19,15 @@ from typing import Callable
 
 import torch
 
-from textrl.config import EnvConfig, load_env_config, load_model_config
+from textrl.config import EnvConfig, fit_to_positions, load_env_config
 from textrl.games.env import InvalidCommandError, open_game
 from textrl.games.pool import GamePool, GameSpec
-from textrl.games.prompt import PromptBuilder, fit_to_positions, observation_text
-from textrl.policy.checkpoint import CheckpointError, load_checkpoint_policy
+from textrl.games.prompt import PromptBuilder, observation_text
+from textrl.policy.checkpoint import CheckpointError
 from textrl.policy.decoding import ConstrainedDecoder, score_commands
 from textrl.policy.device import process_device
-from textrl.policy.model import ModelNotFoundError, PolicyValueModel, build_policy
+from textrl.policy.loading import load_policy
+from textrl.policy.model import ModelNotFoundError, PolicyValueModel
 from textrl.policy.precision import autocast_context
 
 
@@ -58,21 +59,17 @@ def _load_player(args, device: torch.device) -> tuple[PolicyValueModel, PromptBu
 
     Models are converted into the user's cache (``--cache-dir``), never the directory a checkpoint
     names: nothing read from a checkpoint decides where files are written."""
-    if args.checkpoint:
-        policy, tokenizer, cfg = load_checkpoint_policy(args.checkpoint, "--checkpoint", args.cache_dir, args.model_path,
-                                                        device)
+    policy, tokenizer, cfg, precision = load_policy(args.checkpoint, args.model, option="--checkpoint",
+                                                    cache_dir=args.cache_dir, model_path=args.model_path, device=device)
+    if cfg is not None:
         env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
-        precision = cfg.memory.precision
     else:
-        policy, tokenizer = build_policy(load_model_config(args.model), cache_dir=args.cache_dir)
         env = load_env_config(args.env or "easy").offering_every_command()
-        precision = "auto"  # decided on the policy as training decides it (autocast_context)
     if args.max_prompt_tokens:
         env = replace(env, max_prompt_tokens=args.max_prompt_tokens)
     # prompts within the model's positions (GPT-2: 1,024)
     env = fit_to_positions(env, policy.position_limit)
-    # a QLoRA policy was loaded onto the device; any other is moved there (every input follows the policy)
-    return policy.to(device).eval(), PromptBuilder.for_env(tokenizer, env), env, precision
+    return policy, PromptBuilder.for_env(tokenizer, env), env, precision
 
 
 def _read(prompt: str) -> str | None:
@@ -156,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if policy is None:
             return _run_game(env, lambda obs: _ask(obs, _read))
-        decoder = ConstrainedDecoder(policy)  # its inputs on the policy's device
-        decoder.drop_cut_turns = env_cfg.drop_turns_from_cache
+        # its inputs on the policy's device
+        decoder = ConstrainedDecoder(policy, drop_cut_turns=env_cfg.drop_turns_from_cache)
         # one autocast for the whole game: the decoder's KV cache is kept in its dtype between turns
         with torch.no_grad(), autocast_context(precision, device, policy, args.cache_dir), \
                 policy.frozen_linears_in_autocast_dtype():

@@ -15,49 +15,18 @@ message (with the objective) and the current observation always stay.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
-from dataclasses import replace
 
-from textrl.errors import ConfigError
+from textrl.config import COMMAND_ROOM
 from textrl.games.env import Observation, Turn, drop_oldest
 from textrl.policy.trie import CommandTrie
-
-log = logging.getLogger(__name__)
 
 SYSTEM = "You are playing a text adventure game. Reply with exactly one command.\nGoal: {objective}"
 _SENTINEL = "\u0000TEXTRL_COMMAND\u0000"
 
 
-# positions kept free after the prompt for the command being decided: its tokens and the end token.
-# Every command must fit (``PromptBuilder.trie``): TextWorld's longest are about 15 tokens.
-COMMAND_ROOM = 64
-MIN_PROMPT_TOKENS = 128  # the least env.max_prompt_tokens validate allows
-
-
 class PromptTooLongError(ValueError):
     pass
-
-
-def fit_to_positions(env, limit: int | None, model: str = "the model"):
-    """``env`` (an ``EnvConfig``) with ``max_prompt_tokens`` capped so that a prompt plus the command
-    decided after it (``COMMAND_ROOM`` tokens) fits ``limit`` positions (``PolicyValueModel
-    .position_limit``; None: no limit). Past a learned position table (GPT-2: 1,024 positions, under
-    env.max_prompt_tokens=1536) a prompt would index out of it: an IndexError on a CPU, a device-side
-    assert that poisons the CUDA context on a GPU. Logs one line when it caps; a ConfigError when
-    ``limit`` leaves less than the least prompt budget (``MIN_PROMPT_TOKENS``)."""
-    if limit is None:
-        return env
-    budget = limit - COMMAND_ROOM
-    if budget < MIN_PROMPT_TOKENS:
-        raise ConfigError(f"{model} has {limit} positions: {budget} for the prompt after {COMMAND_ROOM} for the "
-                          f"command, under the least env.max_prompt_tokens ({MIN_PROMPT_TOKENS}); use a model with "
-                          f"at least {MIN_PROMPT_TOKENS + COMMAND_ROOM} positions")
-    if env.max_prompt_tokens <= budget:
-        return env
-    log.info("env %s: max_prompt_tokens %d -> %d, within %s's %d positions (%d left for the command)", env.name,
-             env.max_prompt_tokens, budget, model, limit, COMMAND_ROOM)
-    return replace(env, max_prompt_tokens=budget)
 
 
 def observation_text(obs: Observation, list_commands: bool = False, goal_last: bool = False) -> str:
@@ -117,7 +86,8 @@ class PromptBuilder:
     def trie(self, obs: Observation) -> CommandTrie:
         """The trie of an observation's admissible commands, tokenized as they follow this prompt.
         A command longer than ``COMMAND_ROOM`` tokens (with its end token) raises PromptTooLongError:
-        the prompt budget leaves that room for it within the model's positions (``fit_to_positions``)."""
+        the prompt budget leaves that room for it within the model's positions
+        (``textrl.config.fit_to_positions``)."""
         trie = CommandTrie(obs.admissible_commands, self.encode_command, self.end_id)
         command, ids = max(trie.commands.items(), key=lambda item: len(item[1]))
         if len(ids) > COMMAND_ROOM:

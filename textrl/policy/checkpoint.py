@@ -141,10 +141,9 @@ def checkpoint_config(state: dict, model_path: str | Path | None = None, origin:
     weight settings (``WEIGHT_SETTINGS``), or the model directory ``model_path`` that the user gives;
     cache and run locations are cleared (the user's own apply); env names and settings, which name
     cache and output folders, must be plain names. ``origin`` names the checkpoint in errors."""
-    cfg = stored_config(state)
-    cfg.model = _model_of(state["textrl"]["config"].get("model") or {}, cfg.model, model_path, origin)
-    cfg.cache_dir = cfg.ckpt_path = None
-    cfg.output_dir = ""
+    stored = stored_config(state)
+    cfg = replace(stored, model=_model_of(state["textrl"]["config"].get("model") or {}, stored.model, model_path, origin),
+                  cache_dir=None, ckpt_path=None, output_dir="")
     _check_plain_names(cfg, origin)
     return cfg
 
@@ -272,17 +271,20 @@ def load_policy_weights(policy: PolicyValueModel, state: dict, lora: bool, origi
 
 def load_checkpoint_policy(path: str | Path, option: str = "checkpoint", cache_dir: str | None = None,
                            model_path: str | Path | None = None, device: torch.device | None = None,
-                           quantize: bool = True) -> tuple[PolicyValueModel, object, TrainConfig]:
+                           quantize: bool = True, attn_implementation: str | None = None
+                           ) -> tuple[PolicyValueModel, object, TrainConfig]:
     """The policy (with any LoRA adapters), tokenizer and training config stored in a checkpoint.
     Models are found or converted under ``cache_dir`` (the user's; None: the default cache), never
     the directory the checkpoint names: nothing read from a checkpoint decides where files go
     (``checkpoint_config``). ``model_path``: the model's directory, for a checkpoint trained from one.
     ``device``: where a QLoRA policy is loaded (``build_policy``; None: ``process_device()``); any
     other policy is returned on the CPU. ``quantize=False`` builds a QLoRA checkpoint's policy on the
-    unquantised (fp32) base model, with its adapters (textrl-export)."""
+    unquantised (fp32) base model, with its adapters (textrl-export). ``attn_implementation``
+    overrides the model's (the returned config keeps the trained one)."""
     _, state = read_checkpoint(path, option)
     cfg = checkpoint_config(state, model_path, f"{option}={path}")
     memory = cfg.memory if quantize else replace(cfg.memory, quantize_4bit=False)
-    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty, cache_dir, memory, device)
+    model = cfg.model if attn_implementation is None else replace(cfg.model, attn_implementation=attn_implementation)
+    policy, tokenizer = build_policy(model, cfg.env.step_penalty, cache_dir, memory, device)
     load_policy_weights(policy, state, cfg.memory.lora, f"{option}={path}")
     return policy, tokenizer, cfg

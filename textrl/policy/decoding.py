@@ -26,8 +26,8 @@
    the draw works whatever device the model is on, and a row's command depends on its own seed,
    not on which other rows share the batch.
 
-With ``capture`` (a ``FrozenPrefix``: the model's lower blocks are frozen), every call also keeps the
-last frozen block's output at each row's real tokens, and each action carries its row's tokens and
+With ``capture`` (a ``FrozenPrefix``: the model's lower blocks are frozen), every call of a rollout
+that records (``reset(record=True)``: training's sampled rollouts) also keeps the last frozen block's output at each row's real tokens, and each action carries its row's tokens and
 outputs so far (``Action.prefix_output``). The update then replays them (``training_sequences``) instead of
 running the frozen blocks over the whole rollout a second time to recompute the old log-probs: the
 rollout already computed exactly that function of the same tokens and positions.
@@ -126,17 +126,21 @@ class ConstrainedDecoder:
     episodes); a slot that was not in the previous call resets the cache.
     """
 
-    def __init__(self, policy: PolicyValueModel, batched: bool | None = None):
+    def __init__(self, policy: PolicyValueModel, batched: bool | None = None, capture: FrozenPrefix | None = None,
+                 drop_cut_turns: bool = False):
         self.policy = policy
         # one padded attention call per layer (a GPU's layout) or one per row (a CPU's); None: by device
         self.batched = batched
-        self.capture: FrozenPrefix | None = None  # keep the frozen blocks' outputs (module docstring)
-        # a cut history drops the cut turns from the cache (``_cut``; env.drop_turns_from_cache, set
-        # by play_games): off as that default is
-        self.drop_cut_turns = False
+        self.capture = capture  # keep the frozen blocks' outputs in rollouts that record (module docstring)
+        # a cut history drops the cut turns from the cache (``_cut``): env.drop_turns_from_cache of
+        # the games it plays (``play_games`` checks that they agree)
+        self.drop_cut_turns = drop_cut_turns
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, record: bool = False) -> None:
+        """Start a new set of episodes, with an empty cache; ``record``: keep the frozen blocks'
+        outputs in this one (with ``capture``: a training rollout, which the update replays)."""
+        self.recording = record and self.capture is not None
         self.cache: RaggedCache | None = None
         self.slots: list = []
         self.fed: list[list[int]] = []  # each row's stream: every token fed since it started at position 0
@@ -187,8 +191,8 @@ class ConstrainedDecoder:
         """Append each row's tokens to its cache in one packed model call, timed and counted under
         ``phase`` ("prefill" or "fork"); return the hidden state after the last token of each of
         ``rows`` (each fed at least one token), and with ``forks`` (those rows' next forks'
-        children) their ``Forks`` on the device. With ``capture``, the frozen output at each token
-        is appended to its row's ``captured``.
+        children) their ``Forks`` on the device. In a rollout that records, the frozen output at
+        each token is appended to its row's ``captured``.
 
         Everything the call needs from the host -- token ids, positions, the cache's layout, which
         hidden states to read, the forks' children -- goes to the device in one copy
@@ -205,7 +209,7 @@ class ConstrainedDecoder:
         ints = ints_to_device(parts, self.device)
         cache_ints = {k.removeprefix("cache."): v for k, v in ints.items() if k.startswith("cache.")}
         with self.timer.phase(phase):
-            if self.capture is None:
+            if not self.recording:
                 hidden = self.policy.hidden_packed(ints["ids"][None], ints["positions"][None], self.cache, layout,
                                                    cache_ints)
             else:
@@ -303,7 +307,7 @@ class ConstrainedDecoder:
         actions = [c.action(temperature) for c in cursors]
         for action, place in zip(actions, self.places):
             action.place = place
-        if self.capture is not None:
+        if self.recording:
             for action, fed, captured in zip(actions, self.fed, self.captured):
                 action.prefix_output = (list(fed), list(captured))
         return actions

@@ -338,7 +338,7 @@ class PolicyValueModel(nn.Module):
     def position_limit(self) -> int | None:
         """The positions the LM was built for (``max_position_embeddings``; GPT-2's ``n_positions``
         maps to it), or None where its config names none. A learned position table (GPT-2: 1,024)
-        has no row beyond it: ``textrl.games.prompt.fit_to_positions`` keeps the prompt within it."""
+        has no row beyond it: ``textrl.config.fit_to_positions`` keeps the prompt within it."""
         limit = getattr(self.lm.config.get_text_config(), "max_position_embeddings", None)
         return int(limit) if isinstance(limit, int) and limit > 0 else None
 

@@ -29,11 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from textrl.config import TrainConfig, default_cache_dir, native_bf16, resolve_recompute_old
+from textrl.config import default_cache_dir, native_bf16
 
 log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+PRECISIONS = {"32-true", *AUTOCAST_DTYPES}  # the precisions a decision handed down (resume, DDP) may name
 MEASURE_ROWS = 256  # activations per timed product: a rollout chunk / an update sequence's order of size
 MEASURE_REPEATS = 3  # best of
 # part of the cache key: a change to how the measurement is made measures again
@@ -256,24 +257,6 @@ def _others_cpu_seconds(before: int | None, after: int | None, own: float) -> fl
 
 # the precision ``auto`` became in this run, for the DDP ranks Lightning starts from its environment
 AUTO_PRECISION_ENV = "TEXTRL_AUTO_PRECISION"
-
-
-def resolve_auto_precision(cfg: TrainConfig, model: nn.Module, device: str | torch.device,
-                           decided: str | None = None) -> PrecisionChoice | None:
-    """Completes ``textrl.config.resolve`` once the policy is built: ``memory.precision=auto`` (which
-    ``resolve`` leaves on a CPU) becomes ``decided`` when given (a resumed run's checkpoint, rank 0's
-    decision), else ``choose_precision``'s choice, and ``ppo.recompute_old=null`` follows it (true
-    exactly under mixed precision). Returns the measured choice; None where the precision was
-    already decided (forced by the memory option, ``resolve``'s on CUDA, or ``decided``)."""
-    choice = None
-    if cfg.memory.precision == "auto" and decided in AUTOCAST_DTYPES.keys() | {"32-true"}:
-        log.info("memory=auto: precision %s, as this run decided before (its checkpoint, or DDP's rank 0)", decided)
-        cfg.memory.precision = decided
-    elif cfg.memory.precision == "auto":
-        choice = choose_precision(model, device, cfg.cache_dir)
-        cfg.memory.precision = choice.precision
-    resolve_recompute_old(cfg)  # ppo.recompute_old=null, now that the precision is known
-    return choice
 
 
 def resolve_precision(precision: str, model: nn.Module | None, device: str | torch.device,

@@ -67,8 +67,8 @@ def training_sequences(episodes: list[Episode]) -> RolloutDecisions:
     decision's position: the tokens after it feed nothing the update reads. Each action's
     ``place`` says where the decoder put it in its row's stream; an action without one (not
     decoded: ``forced_action``) joins the sequence its prompt extends. When the rollout kept the
-    frozen blocks' outputs (``Action.prefix_output``), the sequence's are taken over (the action's
-    reference is dropped, so the iteration holds one copy)."""
+    frozen blocks' outputs (``Action.prefix_output``), the sequence's are taken from them (the
+    episodes are left as they are: ``release_prefix_outputs`` lets the iteration hold one copy)."""
     sequences: list[TrainingSequence] = []
     prefix_outputs: list[torch.Tensor | None] = []
     logprobs, values, temperatures = [], [], []
@@ -100,7 +100,7 @@ def training_sequences(episodes: list[Episode]) -> RolloutDecisions:
                 values.append(d.value)
                 temperatures.append(step.action.temperature)
             if step.action.prefix_output is not None:  # the row's cache so far: the latest covers it all
-                current.captured, step.action.prefix_output = step.action.prefix_output, None
+                current.captured = step.action.prefix_output
         for m in merged:
             if m.tokens:
                 ids = m.ids[: max(m.positions) + 1]
@@ -124,6 +124,15 @@ class _Merging:
     tokens: list[int] = field(default_factory=list)
     drops: tuple[Drop, ...] = ()
     captured: tuple[list[int], list[torch.Tensor]] | None = None
+
+
+def release_prefix_outputs(episodes: list[Episode]) -> None:
+    """Drops the rollout's recordings of the frozen blocks' outputs from the episodes' actions
+    (``Action.prefix_output``), once ``training_sequences`` has taken the sequences' own from them:
+    the iteration then holds one copy, not the pieces beside it."""
+    for episode in episodes:
+        for step in episode.steps:
+            step.action.prefix_output = None
 
 
 def _recorded_prefix(captured: tuple[list[int], list[torch.Tensor]] | None, ids: list[int]) -> torch.Tensor | None:

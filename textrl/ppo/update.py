@@ -30,7 +30,7 @@ from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.advantages import rollout_advantages
 from textrl.ppo.losses import DecisionBatch, LossCoefs, PPOTerms, correlation, explained_variance, ppo_loss
 from textrl.ppo.sequences import (ForkOutputs, PrefixOutputs, RolloutDecisions, TrainingSequence, decision_forward,
-                                  optimizer_steps, training_sequences)
+                                  optimizer_steps, release_prefix_outputs, training_sequences)
 from textrl.rollout import Episode, iteration_rng
 
 log = logging.getLogger(__name__)
@@ -217,9 +217,12 @@ class PPOUpdate:
 
     def prepare(self, episodes: list[Episode], iteration: int, stats: IterationStats | None = None) -> IterationData:
         """Everything the optimizer steps need, fixed before the first one: the sequences and their
-        schedule, the old log-probs and values, the KL anchor's log-probs, the advantages."""
+        schedule, the old log-probs and values, the KL anchor's log-probs, the advantages. The
+        episodes' recordings of the frozen blocks' outputs are released once the sequences hold
+        theirs (``release_prefix_outputs``)."""
         p, stats = self.ppo, stats or IterationStats(self.coefs, self.uses_value, self.device)
         rollout = training_sequences(episodes)
+        release_prefix_outputs(episodes)  # the iteration holds the sequences' copies only
         prefix = PrefixOutputs(self.frozen, rollout.prefix_outputs) if self.frozen is not None else None
         sequences = self.equalize_across_ranks(rollout.sequences)
         steps = optimizer_steps(sequences, p.minibatch_size, p.grad_accum, p.epochs, iteration_rng(self.seed, iteration))

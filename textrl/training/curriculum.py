@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from textrl.config import EnvConfig, TrainConfig, load_env_config, training_game_count
+from textrl.config import EnvConfig, TrainConfig, fit_to_positions, load_env_config, training_game_count
 from textrl.games.pool import GamePool, GameSpec
-from textrl.games.prompt import fit_to_positions
 from textrl.rollout import iteration_rng
 
 
@@ -25,20 +24,43 @@ class IterationGames:
     replayed: int  # how many of the iteration's games (all ranks) are recently lost ones
 
 
+def stage_envs(cfg: TrainConfig, position_limit: int | None = None) -> list[EnvConfig]:
+    """Each curriculum stage's games shown with env's prompt settings, and its own prompt budget
+    (hard's: 2048) within the policy's ``position_limit`` as ``resolve`` fits env's (one log line per
+    stage capped)."""
+    return [fit_to_positions(load_env_config(s).with_prompt_of(cfg.env), position_limit, cfg.model.name)
+            for s in cfg.curriculum.stages]
+
+
+def generate_games(cfg: TrainConfig) -> None:
+    """Generate (or find in the cache) every game the run can play: env's and every stage's training
+    games, the warm start's (env's first ``warm_start.games`` training games) and the evaluation
+    games. ``train`` calls it before anything touches CUDA: no game is made mid-run."""
+    e = cfg.env
+    for stage in cfg.curriculum.stages:
+        GamePool(GameSpec.from_env(load_env_config(stage)), cache_dir=cfg.cache_dir, workers=e.workers).games(
+            "train", training_game_count(e))
+    pool = GamePool(GameSpec.from_env(e), cache_dir=cfg.cache_dir, workers=e.workers)
+    if cfg.warm_start.steps:
+        pool.games("train", cfg.warm_start.games)
+    if not cfg.curriculum.stages:
+        pool.games("train", training_game_count(e))
+    pool.games("eval", cfg.eval.games)
+
+
 class Curriculum:
     """The training and evaluation games of a run, and the state that decides which training games
     an iteration plays (``curriculum`` config): the stage, the stage's per-iteration training win
     rates and its recently lost games (replayed with or without stages)."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, position_limit: int | None = None):
         self.cfg = cfg
         self.stage = 0
         self.stage_win_rates: list[float] = []
         self.lost: list[str] = []
         self.train_games: list[Path] = []  # the current stage's training pool
         self.eval_games: list[Path] = []  # env's held-out games (evaluation never changes stage)
-        # each stage's games shown with env's prompt settings, and its own prompt budget
-        self.stage_envs = [load_env_config(s).with_prompt_of(cfg.env) for s in cfg.curriculum.stages]
+        self.stage_envs = stage_envs(cfg, position_limit)
 
     @property
     def env(self) -> EnvConfig:
@@ -46,25 +68,14 @@ class Curriculum:
         ``env``'s prompt settings."""
         return self.stage_envs[self.stage] if self.stage_envs else self.cfg.env
 
-    def fit_to_positions(self, limit: int | None) -> None:
-        """Each stage's own prompt budget (hard's: 2048) capped to the policy's ``limit`` positions, as
-        ``train`` caps env's (``textrl.games.prompt.fit_to_positions``: one log line per stage capped)."""
-        self.stage_envs = [fit_to_positions(e, limit, self.cfg.model.name) for e in self.stage_envs]
-
     def _train_pool(self, env: EnvConfig) -> list[Path]:
         pool = GamePool(GameSpec.from_env(env), cache_dir=self.cfg.cache_dir, workers=self.cfg.env.workers)
         return pool.games("train", training_game_count(self.cfg.env))
 
     def generate(self) -> None:
-        """Generate (or find in the cache) every game the run can play: every stage's training
-        games, the warm start's (env's first ``warm_start.games`` training games) and the evaluation
-        games. ``train`` calls it before anything touches CUDA: no game is made mid-run."""
-        for stage in self.cfg.curriculum.stages:
-            self._train_pool(load_env_config(stage))
-        if self.cfg.warm_start.steps:
-            e = self.cfg.env
-            GamePool(GameSpec.from_env(e), cache_dir=self.cfg.cache_dir, workers=e.workers).games(
-                "train", self.cfg.warm_start.games)
+        """Every game the run can play (``generate_games``), then the current stage's and the
+        evaluation games read from the cache."""
+        generate_games(self.cfg)
         self.load()
 
     def load(self) -> None:

@@ -35,10 +35,10 @@ class _Batches(IterableDataset):
 
 
 class RolloutDataModule(L.LightningDataModule):
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, position_limit: int | None = None):
         super().__init__()
         self.cfg = cfg
-        self.curriculum = Curriculum(cfg)
+        self.curriculum = Curriculum(cfg, position_limit)  # its stages' prompts within the policy's positions
         self.prepared = False
 
     @property
@@ -46,8 +46,8 @@ class RolloutDataModule(L.LightningDataModule):
         return self.curriculum.eval_games
 
     def prepare_data(self):
-        """Every game the run can play, generated or found in the cache: ``train`` calls it first,
-        before anything touches CUDA; Lightning's calls (fit, validate) then find it done."""
+        """Every game the run can play, generated or found in the cache (``train`` generates them
+        before anything touches CUDA: Lightning's calls, fit and validate, then find them there)."""
         if not self.prepared:
             self.curriculum.generate()  # setup() only reads the cache
             self.prepared = True

@@ -94,8 +94,9 @@ class PPOModule(L.LightningModule):
         # one decoder (KV cache) per group of games (env.decode_groups); at least two when games step on
         # workers (env.step_workers), so that one group's games step while the other decodes
         groups = max(cfg.env.decode_groups, 2 if cfg.env.step_workers else 1)
-        self.player = Player(policy, tokenizer, [ConstrainedDecoder(policy) for _ in range(groups)],
-                             autocast=self._autocast, capture=frozen)
+        decoders = [ConstrainedDecoder(policy, capture=frozen, drop_cut_turns=cfg.env.drop_turns_from_cache)
+                     for _ in range(groups)]  # every stage's games and the evaluation's share env's setting
+        self.player = Player(policy, tokenizer, decoders, autocast=self._autocast)
         self.update = PPOUpdate(policy, cfg.ppo, tokenizer.pad_token_id, cfg.seed, reference=self.reference,
                                 frozen=frozen, runtime=Runtime(backward=self.manual_backward,
                                                                all_reduce=self._all_reduce,

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,6 +30,13 @@ log = logging.getLogger(__name__)
 _CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
+def on_slot(cfg: TrainConfig, slot: int | None) -> TrainConfig:
+    """The job's config on its slot (``machine_slot``): on GPUs, ``trainer.devices`` is the slot's GPU."""
+    if slot is None or not uses_cuda(cfg.trainer.accelerator):
+        return cfg
+    return replace(cfg, trainer=replace(cfg.trainer, devices=[slot]))
+
+
 def slot_count(cfg: TrainConfig, on_gpu: bool) -> int:
     if on_gpu:
         return torch.cuda.device_count()
@@ -40,8 +48,9 @@ def slot_count(cfg: TrainConfig, on_gpu: bool) -> int:
 
 @contextlib.contextmanager
 def machine_slot(cfg: TrainConfig):
-    """Hold a free slot while the job runs: on GPUs, set ``trainer.devices`` to the slot's GPU; on CPUs,
-    pin the process to the slot's ``threads`` cores. Does nothing unless ``trainer.share_machine``."""
+    """Hold a free slot while the job runs, and yield its number (None unless ``trainer.share_machine``):
+    on GPUs the slot's GPU is the job's (``on_slot``); on CPUs the process is pinned to the slot's
+    ``threads`` cores."""
     if not cfg.trainer.share_machine:
         yield None
         return
@@ -61,7 +70,6 @@ def machine_slot(cfg: TrainConfig):
                           f"in {folder.parent}; run at most {slots} jobs at once (hydra.launcher.n_jobs={slots})")
     try:
         if on_gpu:
-            cfg.trainer.devices = [slot]
             log.info("trainer.share_machine: GPU %d (slot %d of %d)", slot, slot, slots)
         else:
             cores = _CORES[slot * cfg.threads:(slot + 1) * cfg.threads]
