@@ -1,4 +1,4 @@
-"""bf16 attention on this CPU: torch's fused SDPA kernel against ``textrl.policy.cpu_attention``'s
+"""bf16 attention on this CPU: torch's fused SDPA kernel against ``textrl.policy.speed.cpu_attention``'s
 matrix products, per block shape and in a whole rollout.
 
 Blocks: ``m`` queries over ``n`` keys, bottom-right causal, SmolLM2-135M's heads (9 query heads
@@ -29,8 +29,8 @@ import torch
 from torch.nn import functional as F
 
 from result import write_result  # bench/result.py (the script directory is on sys.path)
-from textrl.policy import cpu_attention
-from textrl.policy.cpu_attention import matmul_attention
+from textrl.policy.speed import cpu_attention
+from textrl.policy.speed.cpu_attention import matmul_attention
 
 SHAPES = [(1, 1300), (2, 1300), (30, 1300), (128, 1024), (170, 1300), (170, 2000), (170, 300), (400, 1300),
           (600, 600)]

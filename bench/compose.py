@@ -57,7 +57,7 @@ def _decided(cfg, policy, device):
         from textrl.policy.precision import resolve_auto_precision
 
         return cfg, resolve_auto_precision(cfg, policy, device)
-    from textrl.policy.precision import choose_precision
+    from textrl.policy.speed.precision import choose_precision
 
     choices = []
 

@@ -25,7 +25,7 @@ from textrl.games.pool import GamePool, GameSpec
 from textrl.games.workers import GameWorkers
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.model import build_policy
-from textrl.policy.precision import autocast_context, resolve_precision
+from textrl.policy.speed.precision import autocast_context, resolve_precision
 from textrl.rollout import Player, Sampling, episode_seeds, play_games
 
 

@@ -84,9 +84,12 @@ from textrl.policy.model import build_policy
 from textrl.training.datamodule import RolloutDataModule
 
 try:  # commits before the frozen-block replay have no FrozenPrefix: no replayed bound there
-    from textrl.policy.frozen_prefix import FrozenPrefix
+    from textrl.policy.speed.frozen_prefix import FrozenPrefix
 except ImportError:
-    FrozenPrefix = None
+    try:  # commits before textrl/policy/speed/ held it in textrl/policy/
+        from textrl.policy.frozen_prefix import FrozenPrefix
+    except ImportError:
+        FrozenPrefix = None
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -339,12 +342,12 @@ class Counts:
 
 def attended_keys(sequence) -> int:
     """The keys a training sequence's tokens attend to, summed: n(n+1)/2 causally, fewer where cut
-    turns are hidden from the tokens after the cut (``textrl.policy.stream``; older commits have none)."""
+    turns are hidden from the tokens after the cut (``textrl.policy.speed.stream``; older commits have none)."""
     n = len(sequence.input_ids)
     drops = getattr(sequence, "drops", ())
     if not drops:
         return n * (n + 1) // 2
-    from textrl.policy.stream import blocks  # this tree's (only sequences with drops reach here)
+    from textrl.policy.speed.stream import blocks  # this tree's (only sequences with drops reach here)
 
     total = 0
     for q0, q1, ranges in blocks(n, drops):  # every key before the block is seen by all of it

@@ -30,7 +30,7 @@ from textrl.config import default_decode_groups, env_options, load_env_config, l
 from textrl.games.pool import GamePool, GameSpec
 from textrl.policy.decoding import ConstrainedDecoder, Cursor, choose, recorded_temperature
 from textrl.policy.model import PolicyValueModel, build_policy
-from textrl.policy.precision import autocast_context, resolve_precision
+from textrl.policy.speed.precision import autocast_context, resolve_precision
 from textrl.rollout import Player, Sampling, episode_seeds, play_games
 
 

@@ -1,7 +1,7 @@
 """Tokens a turn costs the rollout and the update, with cut turns dropped from the KV cache and without.
 
 When an episode's history is cut, the decoder drops the cut turns from the row's cache and feeds
-only the new tokens (``textrl.policy.stream``); without that (what it does under an attention
+only the new tokens (``textrl.policy.speed.stream``); without that (what it does under an attention
 implementation other than textrl's SDPA, ``model.attn_implementation``, or with
 ``env.drop_turns_from_cache=false``) a cut row feeds its whole prompt again from position 0. For each difficulty this plays the same training games with the
 same seeds both ways and counts, per turn (one command):

@@ -1,4 +1,4 @@
-"""bf16 attention on a CPU (``textrl.policy.cpu_attention``): the matrix products compute what SDPA
+"""bf16 attention on a CPU (``textrl.policy.speed.cpu_attention``): the matrix products compute what SDPA
 computes (exactly in fp32, within bf16's rounding of the scores in bf16), run only where the
 measured decision says they are faster, and the decision is measured once and read back."""
 
@@ -9,8 +9,8 @@ import torch
 from torch.nn import functional as F
 
 from tests.test_stream import play
-from textrl.policy import cpu_attention
-from textrl.policy.cpu_attention import attend, matmul_attention, matmul_is_faster
+from textrl.policy.speed import cpu_attention
+from textrl.policy.speed.cpu_attention import attend, matmul_attention, matmul_is_faster
 from textrl.policy.distribution import fork_logprobs
 from textrl.ppo.sequences import decision_forward, training_sequences
 
@@ -84,7 +84,7 @@ def test_the_decision_is_measured_once_then_read_from_the_cache(monkeypatch, tmp
     monkeypatch.setattr(cpu_attention, "_measure", lambda: measured.append(1) or (0.004, 0.002))
     matmul_is_faster.cache_clear()
     try:
-        with caplog.at_level("INFO", logger="textrl.policy.cpu_attention"):
+        with caplog.at_level("INFO", logger="textrl.policy.speed.cpu_attention"):
             assert matmul_is_faster() is True
         # one line: the choice and both figures
         assert "matrix products (measured: the fused SDPA kernel 4.00 ms, matrix products 2.00 ms" in caplog.text
@@ -93,7 +93,7 @@ def test_the_decision_is_measured_once_then_read_from_the_cache(monkeypatch, tmp
         matmul_is_faster.cache_clear()  # a new process: read back, not measured, and said so
         monkeypatch.setattr(cpu_attention, "_measure", lambda: pytest.fail("measured again"))
         caplog.clear()
-        with caplog.at_level("INFO", logger="textrl.policy.cpu_attention"):
+        with caplog.at_level("INFO", logger="textrl.policy.speed.cpu_attention"):
             assert matmul_is_faster() is True
         assert "matrix products (measured before: the fused SDPA kernel 4.00 ms, matrix products 2.00 ms" in caplog.text
         # an unreadable file is measured again, and replaced

@@ -1,5 +1,5 @@
 """The frozen blocks under the trainable ones run once per sequence per iteration, and skipping them
-changes nothing the update computes (textrl/policy/frozen_prefix.py)."""
+changes nothing the update computes (textrl/policy/speed/frozen_prefix.py)."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from textrl.config import load_model_config
 from textrl.games.env import TextGame
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import ConstrainedDecoder
-from textrl.policy.frozen_prefix import FrozenPrefix
+from textrl.policy.speed.frozen_prefix import FrozenPrefix
 from textrl.policy.model import build_policy, transformer_blocks
 from textrl.ppo.sequences import PrefixOutputs, decision_forward, training_sequences
 from textrl.rollout import Sampling, decode_episodes

@@ -11,7 +11,7 @@ import torch
 
 from textrl.config import load_env_config, load_model_config
 from textrl.policy.decoding import ConstrainedDecoder
-from textrl.policy.frozen_prefix import FrozenPrefix
+from textrl.policy.speed.frozen_prefix import FrozenPrefix
 from textrl.policy.model import build_policy
 from textrl.ppo.sequences import release_prefix_outputs, training_sequences
 from textrl.rollout import Player, Sampling, play_games

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import textrl.cli.train as cli
-import textrl.policy.precision as precision
+import textrl.policy.speed.precision as precision
 from textrl.config import ModelFacts, PPOConfig, TrainConfig, TrainerConfig, resolve, validate
 from textrl.policy.checkpoint import load
-from textrl.policy.precision import autocast_context, choose_precision, linear_shapes
+from textrl.policy.speed.precision import autocast_context, choose_precision, linear_shapes
 from textrl.training.run import model_facts
 from tests.conftest import config
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from textrl.games.env import TextGame
-from textrl.policy.ragged_cache import RaggedCache
+from textrl.policy.speed.ragged_cache import RaggedCache
 
 
 def real_prompts(prompts, easy_games, n):
@@ -104,7 +104,7 @@ def test_under_autocast_the_cache_holds_keys_in_its_dtype_with_the_same_bits(tin
 
 def test_attention_outside_a_feeding_call_is_refused(tiny):
     policy, _ = tiny
-    from textrl.policy.ragged_cache import ragged_attention
+    from textrl.policy.speed.ragged_cache import ragged_attention
 
     layer = policy.lm.model.layers[0].self_attn
     with pytest.raises(RuntimeError, match="RaggedCache.feeding"):
@@ -114,7 +114,7 @@ def test_attention_outside_a_feeding_call_is_refused(tiny):
 def test_an_attention_argument_it_does_not_implement_is_refused_by_name(tiny):
     """A sliding window ignored would attend further back than the update's forward does."""
     policy, _ = tiny
-    from textrl.policy.ragged_cache import ragged_attention
+    from textrl.policy.speed.ragged_cache import ragged_attention
 
     cache = RaggedCache(1, "cpu")
     layer = policy.lm.model.layers[0].self_attn

@@ -1,4 +1,4 @@
-"""Cut turns dropped from the rollout's KV cache (``textrl.policy.stream``): the row holds exactly
+"""Cut turns dropped from the rollout's KV cache (``textrl.policy.speed.stream``): the row holds exactly
 its prompt, feeds only the new tokens, and the update's forward over the stream computes what the
 rollout computed (checked against a forward with the dense mask those cuts mean, built here from
 their definition), with the model's positions as the limit."""
@@ -14,8 +14,8 @@ from textrl.games.prompt import PromptBuilder
 from textrl.policy.decoding import Action, ConstrainedDecoder, Decision, StreamPlace
 from textrl.policy.distribution import fork_logprobs
 from textrl.policy.model import build_policy
-from textrl.policy.ragged_cache import RaggedCache
-from textrl.policy.stream import Drop, blocks, find_cut
+from textrl.policy.speed.ragged_cache import RaggedCache
+from textrl.policy.speed.stream import Drop, blocks, find_cut
 from textrl.ppo.sequences import decision_forward, training_sequences
 from textrl.rollout import Episode, Player, Sampling, Step, decode_episodes, play_games
 

@@ -67,7 +67,7 @@ def rollout(cfg, games, iteration=0):
                          ids=["whole-history", "cut-history", "cut-keeping-answers"])
 def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool, history, keep):
     """history 2: from the third turn on every prompt cuts the oldest turn, which the decoder drops
-    from its cache (textrl.policy.stream): the update's forward over the stream must hide it too.
+    from its cache (textrl.policy.speed.stream): the update's forward over the stream must hide it too.
     Keeping answers (env.keep_answers), a cut can pass over a middle turn: two stretches go, which the
     decoder does not drop from its cache; the row starts again from position 0, a new sequence."""
     update, data = rollout(config(tmp_path, f"env.history_len={history}", "env.drop_turns_from_cache=true",

@@ -6,7 +6,7 @@ choices) run in ``validate`` before anything is built, one function per group, a
 the value and what is allowed. ``resolve`` then returns a new config with the values left to the
 machine and the model decided (``memory.precision=auto``, ``env.decode_groups=null``,
 ``ppo.recompute_old=null``, the prompt budget within the model's positions; on a CPU the precision
-is measured on the built model, ``textrl.policy.precision``); nothing writes to a config after it.
+is measured on the built model, ``textrl.policy.speed.precision``); nothing writes to a config after it.
 Whether the games of a setting can be made is the games layer's check
 (``textrl.games.pool.check_games``).
 """
@@ -169,7 +169,7 @@ class PPOConfig:
 @dataclass
 class MemoryConfig:
     name: str = "auto"
-    # 32-true | bf16-mixed | 16-mixed (CUDA only) | auto (decided per machine: textrl.policy.precision)
+    # 32-true | bf16-mixed | 16-mixed (CUDA only) | auto (decided per machine: textrl.policy.speed.precision)
     precision: str = "auto"
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes, for the LM parameters)
     grad_ckpt: bool = False  # the model's gradient checkpointing (non-reentrant) during updates
@@ -430,7 +430,7 @@ class ModelFacts:
 
     position_limit: Optional[int]  # positions the model can index (PolicyValueModel.position_limit); None: no limit
     # memory.precision=auto on a CPU: a decision made before (a resumed run's, DDP's rank 0's), or the
-    # measurement on the model (textrl.policy.precision.choose_precision); called only where it is needed
+    # measurement on the model (textrl.policy.speed.precision.choose_precision); called only where it is needed
     cpu_precision: Optional[Callable[[], str]] = None
 
 
@@ -512,7 +512,7 @@ def _cuda_available() -> bool:
 def native_bf16(cuda: bool) -> bool:
     """Whether the training device computes in bfloat16 natively: on CUDA, what ``memory.precision=auto``
     follows. On a CPU (AVX512-BF16 or AMX) it is only reported (benchmarks record it): a CPU's
-    ``auto`` is measured (``textrl.policy.precision.choose_precision``), since on some CPUs with
+    ``auto`` is measured (``textrl.policy.speed.precision.choose_precision``), since on some CPUs with
     these flags bf16 autocast is slower than fp32.
     """
     import torch  # slow import: see _cuda_devices

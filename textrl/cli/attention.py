@@ -40,7 +40,7 @@ from textrl.policy.checkpoint import CheckpointError
 from textrl.policy.decoding import Cursor
 from textrl.policy.loading import load_policy
 from textrl.policy.model import ModelNotFoundError
-from textrl.policy.precision import autocast_context
+from textrl.policy.speed import autocast_context
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ from textrl.policy.checkpoint import CheckpointError
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.loading import LoadedPolicy, load_policy
 from textrl.policy.model import ModelNotFoundError
-from textrl.policy.precision import autocast_context, resolve_precision
+from textrl.policy.speed import autocast_context, resolve_precision
 from textrl.rollout import Episode, Player, play_games, play_uniform
 from textrl.results import summarize
 from textrl.transcripts import transcript_rows, write_transcripts

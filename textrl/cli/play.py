@@ -28,7 +28,7 @@ from textrl.policy.decoding import ConstrainedDecoder, score_commands
 from textrl.policy.device import process_device
 from textrl.policy.loading import load_policy
 from textrl.policy.model import ModelNotFoundError, PolicyValueModel
-from textrl.policy.precision import autocast_context
+from textrl.policy.speed import autocast_context
 
 
 def _show(obs, step: int) -> None:

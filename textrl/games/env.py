@@ -220,7 +220,7 @@ class Game:
     not drop from its cache: the row starts again from position 0): the prompt then keeps
     extending the previous one for ``history_len // 2`` turns (with ``env.drop_turns_from_cache``
     the decoder drops the cut turns from its KV cache and feeds only the new tokens,
-    ``textrl.policy.stream``), and fewer cuts keep more turns in view on average.
+    ``textrl.policy.speed.stream``), and fewer cuts keep more turns in view on average.
     """
 
     interrupt_late_calls = True  # a call still running at step_timeout is interrupted (``_deadline``)

@@ -8,7 +8,7 @@ re-tokenized from text, so the sequence the PPO update sees is bit-for-bit the o
 and the prompt of turn t+1 extends the prompt of turn t plus its command: the decoder reuses the KV
 cache of that shared prefix. When the prompt exceeds ``max_prompt_tokens`` the oldest turns are
 dropped first, ``DROP_BLOCK`` turns at a time, so that the next few prompts extend this one again
-(the decoder drops cut turns from its cache either way, ``textrl.policy.stream``; a block keeps
+(the decoder drops cut turns from its cache either way, ``textrl.policy.speed.stream``; a block keeps
 cuts rare), passing over the answers ``env.keep_answers`` keeps (``drop_oldest``); the system
 message (with the objective) and the current observation always stay.
 """

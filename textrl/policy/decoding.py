@@ -5,7 +5,7 @@
 1. Each environment's prompt is fed once. The cache persists across turns of an episode, so when
    the new prompt extends what the row already holds (the prompt builder makes prompts append-only
    until history is cut), only the new tokens are fed. When the history was cut, the cut turns are
-   dropped from the row's cache and again only the new tokens are fed (``textrl.policy.stream``);
+   dropped from the row's cache and again only the new tokens are fed (``textrl.policy.speed.stream``);
    a row whose prompt is neither (a new episode, a history cut to nothing, a stream at the model's
    positions, or cuts switched off) starts again from position 0, in the same call.
 2. Rows then advance in lockstep, one model call per fork level: each call feeds every row's
@@ -13,7 +13,7 @@
    hidden state after each row's last one.
    Every call is packed: the rows' tokens back to back in one sequence, with their own position ids,
    over a ``RaggedCache`` in which each row attends to its own positions only
-   (``textrl.policy.ragged_cache``). The linear layers compute no padding (on a CPU nothing does;
+   (``textrl.policy.speed.ragged_cache``). The linear layers compute no padding (on a CPU nothing does;
    on a GPU attention alone runs padded) and the cache has no holes, so every row computes what it
    would compute alone (pinned by the tests).
 3. At a fork the logits of the allowed children are divided by the temperature and sampled (argmax
@@ -43,10 +43,8 @@ import torch
 
 from textrl.policy.device import PhaseTimer, ints_to_device
 from textrl.policy.distribution import Forks, entropy, fork_logprobs, fork_parts
-from textrl.policy.frozen_prefix import FrozenPrefix
+from textrl.policy.speed import Drop, FrozenPrefix, RaggedCache, find_cut, runs
 from textrl.policy.model import SDPA, PolicyValueModel
-from textrl.policy.ragged_cache import RaggedCache
-from textrl.policy.stream import Drop, find_cut, runs
 from textrl.policy.trie import CommandTrie
 
 
@@ -72,7 +70,7 @@ class Action:
     # turns, cut ones included, this command up to its last fork) and the last frozen block's outputs
     # over them, in pieces; ``training_sequences`` takes them over (and sets this back to None)
     prefix_output: tuple[list[int], list[torch.Tensor]] | None = field(default=None, compare=False, repr=False)
-    # where the decoder put this turn in its row's stream (``textrl.policy.stream``); None for an
+    # where the decoder put this turn in its row's stream (``textrl.policy.speed.stream``); None for an
     # action it did not decode (``forced_action``)
     place: "StreamPlace | None" = field(default=None, compare=False, repr=False)
 
@@ -146,7 +144,7 @@ class ConstrainedDecoder:
         self.fed: list[list[int]] = []  # each row's stream: every token fed since it started at position 0
         self.held: list[list[int]] = []  # the tokens each row's cache holds (its stream less the cut turns)
         self.held_at: list[list[int]] = []  # their stream positions
-        self.drops: list[list[Drop]] = []  # each row's cuts (``textrl.policy.stream``)
+        self.drops: list[list[Drop]] = []  # each row's cuts (``textrl.policy.speed.stream``)
         self.places: list[StreamPlace | None] = []  # each row's latest prompt's place in its stream
         self.captured: list[list[torch.Tensor]] = []  # with ``capture``: the frozen output at each of them
         # new ones: decode_episodes() reads the finished profile before the next reset

@@ -29,9 +29,7 @@ from torch import nn
 from textrl.config import ModelConfig, default_cache_dir, load_model_config
 from textrl.policy.device import process_device
 from textrl.policy.memory import apply_memory, quantization_config
-from textrl.policy.cpu_attention import attend, products_run
-from textrl.policy.ragged_cache import UNSUPPORTED, routed_to_ragged
-from textrl.policy.stream import stream_attention
+from textrl.policy.speed import UNSUPPORTED, attend, products_run, routed_to_ragged, stream_attention, transformer_blocks
 
 log = logging.getLogger(__name__)
 
@@ -181,13 +179,13 @@ def sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     of several sequences, ``score_commands``). The CPU's SDPA kernel takes the key/value heads as they are
     (``enable_gqa``), with the same result (pinned by tests/test_attention_gqa.py). Everywhere
     else, transformers' function unchanged. (The rollout decoder's calls run
-    ``textrl.policy.ragged_cache.ragged_attention`` instead.)
+    ``textrl.policy.speed.ragged_cache.ragged_attention`` instead.)
 
-    A forward over streams with cut turns (``stream``: the update's, ``textrl.policy.stream``)
+    A forward over streams with cut turns (``stream``: the update's, ``textrl.policy.speed.stream``)
     attends block by block as the rollout did; passed as an argument, it survives gradient
     checkpointing's second forward. One unpadded causal sequence (the update's forward without
     cuts) in bf16 on a CPU runs the matrix products where this machine measured them faster than
-    the fused kernel, as the rollout's calls do (``textrl.policy.cpu_attention``).
+    the fused kernel, as the rollout's calls do (``textrl.policy.speed.cpu_attention``).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # slow import: see load_lm
 
@@ -349,7 +347,7 @@ class PolicyValueModel(nn.Module):
 
         ``attention_mask`` covers the cached positions and the new ones; it may have holes (left
         padding), which is why ``position_ids`` are always explicit. ``stream``: the rows are
-        streams with cut turns (a ``textrl.policy.stream.StreamLayout``), which ``sdpa_attention``
+        streams with cut turns (a ``textrl.policy.speed.stream.StreamLayout``), which ``sdpa_attention``
         attends block by block instead (the decoder cuts only under it).
 
         Runs the LM without its head (``get_decoder``: the stack up to the final norm). With the
@@ -471,11 +469,6 @@ class PolicyValueModel(nn.Module):
         finally:
             for module, name, p in swapped:
                 setattr(module, name, p)
-
-
-def transformer_blocks(lm: nn.Module) -> nn.ModuleList:
-    """The model's stack of transformer blocks: its longest ModuleList (any Hugging Face causal LM)."""
-    return max((m for m in lm.modules() if isinstance(m, nn.ModuleList)), key=len)
 
 
 def freeze_below_top_layers(lm: nn.Module, n: int) -> None:

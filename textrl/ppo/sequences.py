@@ -2,7 +2,7 @@
 optimizer steps over them.
 
 The turns an episode's row played in one stream of its decoder's cache -- every token fed since
-the row last started at position 0, the history's cuts included (``textrl.policy.stream``) -- are
+the row last started at position 0, the history's cuts included (``textrl.policy.speed.stream``) -- are
 one sequence, so one forward over it gives the new log-probs of the decisions of all those turns at
 once. Causal attention, with each cut's tokens hidden from the tokens fed after it
 (``stream_attention``), makes this exactly the computation the rollout did turn by turn.
@@ -23,9 +23,8 @@ import torch
 
 from textrl.policy.device import ints_to_device
 from textrl.policy.distribution import Forks, fork_parts
-from textrl.policy.frozen_prefix import FrozenPrefix
+from textrl.policy.speed import Drop, FrozenPrefix, StreamLayout
 from textrl.policy.model import SDPA, PolicyValueModel
-from textrl.policy.stream import Drop, StreamLayout
 from textrl.rollout import Episode
 
 
@@ -37,7 +36,7 @@ class TrainingSequence:
     positions: list[int]  # the hidden state index that predicts each decision token
     allowed: list[list[int]]  # each decision's fork: its children, sorted
     tokens: list[int]  # each decision's token taken
-    drops: tuple[Drop, ...] = ()  # cut turns its later tokens do not see (``textrl.policy.stream``)
+    drops: tuple[Drop, ...] = ()  # cut turns its later tokens do not see (``textrl.policy.speed.stream``)
 
     @property
     def decisions(self) -> range:
@@ -54,7 +53,7 @@ class RolloutDecisions:
     values: torch.Tensor  # [decisions] float32: the value head's estimate at the fork
     temperatures: torch.Tensor  # [decisions] float32: the temperature it was sampled at
     # per sequence, the last frozen block's output over its input_ids as the rollout recorded it
-    # (textrl.policy.frozen_prefix), or None
+    # (textrl.policy.speed.frozen_prefix), or None
     prefix_outputs: list[torch.Tensor | None]
 
     @property
@@ -179,7 +178,7 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
     copy (``ints_to_device``); the padding mask is built there from the lengths.
 
     A batch with cut turns (``TrainingSequence.drops``) attends as its rollout did, block by block
-    (``textrl.policy.stream``); the others with causal attention over their padding mask.
+    (``textrl.policy.speed.stream``); the others with causal attention over their padding mask.
 
     With ``prefix``, a batch whose sequences all have a recorded frozen-block output skips the
     frozen blocks; any other batch runs in full and records it in ``prefix`` for later forwards."""

@@ -24,7 +24,7 @@ from textrl.config import PPOConfig
 from textrl.errors import NonFiniteError
 from textrl.policy.device import PhaseTimer
 from textrl.policy.distribution import fork_logprobs
-from textrl.policy.frozen_prefix import FrozenPrefix
+from textrl.policy.speed import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.advantages import rollout_advantages

@@ -34,7 +34,7 @@ from textrl.games.workers import GameWorkers
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.checkpoint import check_frozen, frozen_fingerprint, frozen_names, leaves_frozen_weights_out
 from textrl.policy.decoding import ConstrainedDecoder, score_commands
-from textrl.policy.frozen_prefix import FrozenPrefix
+from textrl.policy.speed import FrozenPrefix
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.reference import ReferencePolicy

@@ -31,7 +31,7 @@ from textrl.policy.checkpoint import (CheckpointError, check_resumable, check_sa
                                       leaves_frozen_weights_out, load_policy_weights, read_checkpoint, stored_config)
 from textrl.policy.device import trainer_device
 from textrl.policy.model import PolicyValueModel, build_policy
-from textrl.policy.precision import AUTO_PRECISION_ENV, PRECISIONS, choose_precision
+from textrl.policy.speed import AUTO_PRECISION_ENV, PRECISIONS, choose_precision
 from textrl.training.callbacks import AtomicCheckpointIO, EvaluateLastIteration, Interrupted, StopOnSignal
 from textrl.training.curriculum import generate_games
 from textrl.training.datamodule import RolloutDataModule

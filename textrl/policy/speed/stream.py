@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from textrl.policy.cpu_attention import attend
+from textrl.policy.speed.cpu_attention import attend
 
 
 class Drop(NamedTuple):

@@ -29,7 +29,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from textrl.policy.precision import cpu_model, precision_cache_dir
+from textrl.policy.speed.precision import cpu_model, precision_cache_dir
 
 log = logging.getLogger(__name__)
 

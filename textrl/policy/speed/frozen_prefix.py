@@ -28,7 +28,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from textrl.policy.model import transformer_blocks
+
+def transformer_blocks(lm: nn.Module) -> nn.ModuleList:
+    """The model's stack of transformer blocks: its longest ModuleList (any Hugging Face causal LM)."""
+    return max((m for m in lm.modules() if isinstance(m, nn.ModuleList)), key=len)
 
 
 class FrozenPrefix:

@@ -15,10 +15,10 @@ tokens (``index_copy_``) and a row's keys are a view. When a row outgrows its st
 to new stretches with half again their length to spare (a copy of the cache, every
 few turns; ``layout`` decides it, ``feeding`` copies). Rows leave by being forgotten; a row whose
 history was cut either drops the cut turns (``drop``: the next call's copy moves the kept positions
-together, so the cache never has holes; ``textrl.policy.stream``) or starts again at length 0 in
+together, so the cache never has holes; ``textrl.policy.speed.stream``) or starts again at length 0 in
 its own stretch.
 
-Attention per row is one call per row and layer (``textrl.policy.cpu_attention.attend``: SDPA, or
+Attention per row is one call per row and layer (``textrl.policy.speed.cpu_attention.attend``: SDPA, or
 in bf16 where this CPU runs them faster, plain matrix products): on a CPU, the cheapest (no padded
 query or key is computed at all). On a GPU that is many small kernels for a wide batch, so there
 (``batched``) the rows' queries and keys are gathered into one padded batch with a mask, one SDPA
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from textrl.policy.cpu_attention import attend
+from textrl.policy.speed.cpu_attention import attend
 from textrl.policy.device import ints_to_device
 
 RAGGED = "textrl_ragged"  # the attention implementation a call runs under while it feeds a RaggedCache
