@@ -7,6 +7,8 @@ history belong in docs/results.md.
 conf/**/*.yaml: a file carries at most three comment lines (what it trains, its measured result,
 where docs/results.md has it), and across conf/ the comment lines total at most a third of the
 setting lines. ``# @package _global_`` is a Hydra directive, not a comment.
+
+textrl/: no comment or docstring cites a result file.
 """
 
 from __future__ import annotations
@@ -81,3 +83,14 @@ def test_conf_comment_lines_are_at_most_a_third_of_its_setting_lines():
     counts = [_comment_and_setting_lines(p) for p in CONF_FILES]
     comments, settings = sum(c for c, _ in counts), sum(s for _, s in counts)
     assert comments * 3 <= settings, f"conf/ has {comments} comment lines against {settings} setting lines"
+
+
+RESULT_FILE = re.compile(r"bench/results|\b\w+_(?:ab|default|seed\d)\w*\.json\b|\blearn_\w+\.json\b")
+
+
+def test_no_comment_in_textrl_cites_a_result_file():
+    """Code says why; what a run measured lives in bench/results/ and docs/results.md."""
+    package = ROOT / "textrl"
+    cited = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in sorted(package.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if RESULT_FILE.search(line)]
+    assert not cited, "comments citing result files:\n" + "\n".join(cited)
