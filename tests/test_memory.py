@@ -27,6 +27,7 @@ def test_memory_option_runs_an_iteration_and_updates(tmp_path, memory, extra):
     snapshot = Snapshot()
     result = cli.train(cfg, callbacks=[snapshot])
     module = result["module"]
+    cfg = module.cfg  # the run's resolved config: memory=auto's precision decided
     policy = module.policy
     if memory in {"lora", "qlora"}:
         trainable = {n for n, p in policy.named_parameters() if p.requires_grad}

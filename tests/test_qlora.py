@@ -19,6 +19,7 @@ import textrl.cli.attention as attention_cli
 import textrl.cli.evaluate as evaluate_cli
 import textrl.cli.play as play_cli
 import textrl.cli.train as cli
+import textrl.policy.loading as loading
 from tests.conftest import config
 from textrl.config import ConfigError, MemoryConfig, load_model_config
 from textrl.policy.checkpoint import load_checkpoint_policy
@@ -147,25 +148,30 @@ def test_a_qlora_checkpoint_plays_attends_and_evaluates_on_the_policys_device(tr
     tuned, base, _, _ = attention_cli.load_models(last, None, model_path=str(model_dir))
     assert len(four_bit_layers(tuned.lm)) == 14 and devices_of(tuned) == devices_of(base) == {play_cli.process_device()}
 
-    asked = {name: Asked(module.process_device) for name, module in
-             [("play", play_cli), ("attention", attention_cli), ("eval", evaluate_cli)]}
-    for name, module in [("play", play_cli), ("attention", attention_cli), ("eval", evaluate_cli)]:
-        monkeypatch.setattr(module, "process_device", asked[name])
+    # each command places its policy where process_device says (itself, or through the shared loader)
+    asked = Asked(loading.process_device)
+    for module in (loading, play_cli):
+        monkeypatch.setattr(module, "process_device", asked)
+    calls = {}
     with inputs_checked_against_each_modules_device() as wrong:
+        before = asked.calls
         assert play_cli.main(["--checkpoint", str(last), "--model-path", str(model_dir), "--game-file", str(game),
                               "--top", "2"]) == 0
+        calls["play"], before = asked.calls - before, asked.calls
         played = [line for line in capsys.readouterr().out.splitlines() if line.startswith("> ")]
         assert played
         out = tmp_path / "attention"
         assert attention_cli.main(["--checkpoint", str(last), "--model-path", str(model_dir), "--game-file", str(game),
                                    "--out", str(out)]) == 0
+        calls["attention"], before = asked.calls - before, asked.calls
         assert (out / "attention.json").is_file()
         out = tmp_path / "eval"
         assert evaluate_cli.main(["--checkpoint", str(last), "--model-path", str(model_dir), "--games", str(game),
                                   "--max-steps", "3", "--batch", "1", "--out", str(out)]) == 0
+        calls["eval"] = asked.calls - before
         assert (out / "results.json").is_file()
     assert not wrong
-    assert all(a.calls >= 1 for a in asked.values()), {name: a.calls for name, a in asked.items()}
+    assert all(n >= 1 for n in calls.values()), calls
 
 
 def test_export_of_a_qlora_checkpoint_is_a_plain_fp32_model(trained, model_dir, tmp_path):
