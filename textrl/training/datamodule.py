@@ -35,10 +35,11 @@ class _Batches(IterableDataset):
 
 
 class RolloutDataModule(L.LightningDataModule):
-    def __init__(self, cfg: TrainConfig, position_limit: int | None = None):
+    def __init__(self, cfg: TrainConfig, position_limit: int | None = None, games_made: bool = False):
         super().__init__()
         self.cfg = cfg
         self.curriculum = Curriculum(cfg, position_limit)  # its stages' prompts within the policy's positions
+        self.games_made = games_made  # by the caller (``generate_games``): prepare_data only reads the cache
         self.prepared = False
 
     @property
@@ -49,7 +50,10 @@ class RolloutDataModule(L.LightningDataModule):
         """Every game the run can play, generated or found in the cache (``train`` generates them
         before anything touches CUDA: Lightning's calls, fit and validate, then find them there)."""
         if not self.prepared:
-            self.curriculum.generate()  # setup() only reads the cache
+            if self.games_made:
+                self.curriculum.load()
+            else:
+                self.curriculum.generate()  # setup() only reads the cache
             self.prepared = True
 
     def setup(self, stage: str):

@@ -97,8 +97,9 @@ def _build_and_fit(cfg: TrainConfig, callbacks: list[L.Callback], resume_state: 
     if cfg.memory.name == "auto" and device.type == "cuda":  # decided by resolve, as the GPU computes bf16
         log.info("memory=auto: precision %s (%s)", cfg.memory.precision,
                  "native bf16 on this GPU" if cfg.memory.precision == "bf16-mixed" else "no native bf16 on this GPU")
-    datamodule = RolloutDataModule(cfg, policy.position_limit)  # each stage's prompt within the positions too
-    datamodule.prepare_data()  # the games made above, read from the cache
+    # each stage's prompt within the positions too; the games made by _train, read from the cache
+    datamodule = RolloutDataModule(cfg, policy.position_limit, games_made=True)
+    datamodule.prepare_data()
     frozen_as_built = _load_init(cfg, policy, init_state)
     del init_state
     # behaviour cloning on walkthroughs, before the module: iteration 0's evaluation and a KL
