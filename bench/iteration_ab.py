@@ -18,7 +18,7 @@ ratio) and each run's file under ``bench/results/iteration_ab/``.
 there (an experiment renamed since, an option that was then the default), in place of the shared
 ones; both sets are recorded.
 
-    python bench/iteration_ab.py --before ../before --before-overrides "experiment=medium_cpu" -- experiment=medium_rl_cpu
+    python bench/iteration_ab.py --before ../before --before-overrides "experiment=medium_cpu" -- experiment=medium_rl_rule_cpu
 """
 
 from __future__ import annotations

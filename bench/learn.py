@@ -28,7 +28,7 @@ file time, since the subprocess started); else the seconds the run's phases log 
 per evaluation), added up in run order and scaled so that the run's end is its wall time (start-up
 and checkpoint writes, which no phase logs, spread in proportion).
 
-    python bench/learn.py --resume --configs default --seeds 1 --tag medium12 -- experiment=medium_rl_cpu
+    python bench/learn.py --resume --configs default --seeds 1 --tag medium12 -- experiment=medium_rl_rule_cpu
 
 goes on with a run that was killed or stopped (its folder holds ``checkpoints/last.ckpt``) instead of
 starting it over: a run longer than one sitting. Its minutes add up the stretches it ran (a killed
@@ -256,7 +256,7 @@ def summarize_run(run_dir: Path, sessions: list[tuple[float, float]] | None = No
                        for r in evals],
         "rollout_win_rate_first_iterations": [float(r["rollout/win_rate"]) for r in rows if r.get("rollout/win_rate")][:3],
         # the training rollouts' (sampled) win rate and episode length at every iteration: the curve
-        # between evaluations, which a run evaluated rarely (medium_rl_cpu) has no other way to show
+        # between evaluations, which a run evaluated rarely (medium_rl_rule_cpu) has no other way to show
         "rollout_curve": [[int(float(r["iteration"])), float(r["rollout/win_rate"]), float(r["rollout/episode_len"])]
                           for r in rows if r.get("rollout/win_rate")],
         # the share of turns that repeat a command from the same state: how much of the play is

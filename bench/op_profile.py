@@ -20,7 +20,7 @@ outgrew 24 GB, so the default profiles a reduced iteration (4 games of at most 1
 not the seconds, are what compares with ``iteration.json``. The profiler's own overhead inflates
 small ops (a few microseconds each), so ``other`` and ``copies`` read high.
 
-    python bench/op_profile.py -- experiment=medium_rl_cpu env.drop_turns_from_cache=true
+    python bench/op_profile.py -- experiment=medium_rl_rule_cpu env.drop_turns_from_cache=true
 
 (Not ``profile.py``: the script directory is on ``sys.path``, and that name would shadow the
 standard library's ``profile`` module, which ``cProfile`` and so torch import, for every script here.)

@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rollouts", type=int, default=2, help="rollouts to record; fit on each, score on the next")
     ap.add_argument("--out", default="bench/results/value_fit.json")
-    ap.add_argument("overrides", nargs="*", default=["experiment=medium_rl_cpu"])
+    ap.add_argument("overrides", nargs="*", default=["experiment=medium_rl_rule_cpu"])
     args = ap.parse_args(argv)
     if args.rollouts < 2:
         ap.error(f"--rollouts {args.rollouts}: at least 2 (fit on one, score on the next)")

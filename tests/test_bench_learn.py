@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from learn import earlier_runs, run_sessions  # noqa: E402  (bench/ is a script directory, not a package)
 
 OVERRIDES = ["ppo.explore=0.1"]
-RUN = ["experiment=medium_rl_cpu", "seed=1"]  # a seed run's overrides
+RUN = ["experiment=medium_rl_rule_cpu", "seed=1"]  # a seed run's overrides
 
 
 def _file(tmp_path, runs, threads=(1,)):
@@ -78,7 +78,7 @@ def test_a_resume_that_would_change_the_precision_or_overrides_or_cannot_count_m
     _stopped_run(run_dir, time.time() - 60, ckpt_after=30.0)
     with pytest.raises(SystemExit, match=r"ran in 32-true and would resume in bf16-mixed.*memory=none"):
         run_sessions(run_dir, True, "bbb", "bf16-mixed", RUN)
-    with pytest.raises(SystemExit, match=r"ran with experiment=medium_rl_cpu seed=1 and would resume with .*iterations=6"):
+    with pytest.raises(SystemExit, match=r"ran with experiment=medium_rl_rule_cpu seed=1 and would resume with .*iterations=6"):
         run_sessions(run_dir, True, "bbb", "32-true", [*RUN, "iterations=6"])
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # refused before anything was removed
     (run_dir / "learn_sessions.json").unlink()  # a folder train.py wrote without bench/learn.py

@@ -1,20 +1,24 @@
 """env.block_repeats: a state offers only the commands played fewest times from it in the episode
 (a command already played is not offered while another is left), in training rollouts and evaluation
-alike."""
+alike; off by default, and textrl-eval plays any checkpoint with it or without it."""
 
 from collections import Counter
 from dataclasses import replace
 
+import json
+
 import pytest
 import torch
 
-from textrl.cli.evaluate import evaluate
+import textrl.cli.train as cli
+from textrl.cli.evaluate import evaluate, main
 from textrl.config import load_env_config, load_model_config
 from textrl.games.env import InvalidCommandError, open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.model import build_policy
 from textrl.rollout import Player, play_games
+from tests.conftest import config
 
 REVERSE = {"north": "south", "south": "north", "east": "west", "west": "east"}
 
@@ -82,8 +86,8 @@ def test_a_state_whose_every_command_was_played_offers_those_played_least(medium
 
 
 def test_a_policy_plays_with_the_rule_wherever_it_is_shown_games():
-    medium, trained = load_env_config("medium"), load_env_config("easy")  # easy trains with it by default
-    assert trained.block_repeats and not medium.block_repeats
+    medium, trained = load_env_config("medium"), replace(load_env_config("easy"), block_repeats=True)
+    assert not medium.block_repeats and not load_env_config("easy").block_repeats
     # another setting's games played by a policy trained with it (textrl-eval, curriculum stages)
     assert medium.with_prompt_of(trained).block_repeats
     assert not load_env_config("easy").with_prompt_of(medium).block_repeats
@@ -121,6 +125,38 @@ def test_textrl_eval_plays_with_the_rule_when_asked():
     summary, episodes, _ = evaluate("random", "medium", games=4, max_steps=32)
     assert summary["block_repeats"] is False
     assert sum(map(needless_repeats, episodes)) > 0  # else the check above would hold without the rule
-    # the random policy and an untrained model are offered every command, on easy too, where
-    # training plays with the rule by default
-    assert evaluate("random", "easy", games=1)[0]["block_repeats"] is False
+    assert evaluate("random", "easy", games=1)[0]["block_repeats"] is False  # the default: the game as it is
+
+
+@pytest.fixture(scope="module")
+def trained_with_the_rule(tmp_path_factory):
+    run = tmp_path_factory.mktemp("rule")
+    return cli.train(config(run, "iterations=1", "env.block_repeats=true", "eval.before_training=false"))["last"]
+
+
+def played(tmp_path, name, *args) -> dict:
+    """textrl-eval on 4 medium games (24 steps): its results.json."""
+    out = tmp_path / name
+    assert main([*args, "--env", "medium", "--games", "4", "--max-steps", "24", "--out", str(out)]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_textrl_eval_plays_a_checkpoint_with_or_without_the_rule_whichever_way_it_was_trained(
+        trained_with_the_rule, tmp_path, capsys):
+    """As trained by default; --no-block-repeats plays the game as it is, --block-repeats the rule;
+    results.json says which, and the play is what it says (a greedy loop repeats only without it)."""
+    ckpt = trained_with_the_rule
+    as_trained = played(tmp_path, "as_trained", "--checkpoint", ckpt)
+    assert as_trained["block_repeats"] is True and "not the game as it is" in capsys.readouterr().out
+    game = played(tmp_path, "game", "--checkpoint", ckpt, "--no-block-repeats")
+    assert game["block_repeats"] is False and "not the game as it is" not in capsys.readouterr().out
+    assert played(tmp_path, "ruled", "--checkpoint", ckpt, "--block-repeats")["per_game"] == as_trained["per_game"]
+    _, ruled = evaluate(f"checkpoint:{ckpt}", "medium", games=4, max_steps=24)[:2]
+    _, plain = evaluate(f"checkpoint:{ckpt}", "medium", games=4, max_steps=24, block_repeats=False)[:2]
+    assert sum(map(needless_repeats, ruled)) == 0 < sum(map(needless_repeats, plain))
+
+
+def test_textrl_eval_plays_a_checkpoint_trained_without_the_rule_with_it_when_asked(tmp_path):
+    plain = cli.train(config(tmp_path / "plain", "iterations=1", "eval.before_training=false"))["last"]
+    assert played(tmp_path, "as_trained", "--checkpoint", plain)["block_repeats"] is False
+    assert played(tmp_path, "ruled", "--checkpoint", plain, "--block-repeats")["block_repeats"] is True

@@ -43,16 +43,14 @@ def test_defaults_are_easy_smollm2_csv():
     assert cfg.env.goal_last and not cfg.env.list_commands  # the prompt the easy ablation chose
 
 
-def test_easy_plays_with_the_rule_and_every_other_setting_as_measured():
-    """The default run trains and evaluates with the fewest-played rule (docs/results.md, "An action
-    rule against loops"). Every other env option, and the blog post's experiments, keep the full
-    action space their figures were measured with."""
-    assert compose_train().env.block_repeats
+def test_every_setting_plays_the_game_as_it_is_unless_its_name_says_the_rule():
+    """The fewest-played rule changes which commands the game offers: the default run, every env
+    option and every experiment but one named for it play without it, so their figures are the game's."""
+    assert not TrainConfig().env.block_repeats and not compose_train().env.block_repeats
     for option in options("env"):
-        if option not in ("easy", "custom"):  # custom: easy's values with the user's game sizes
-            assert not compose_train([f"env={option}"]).env.block_repeats, option
-    for experiment in ("easy_fresh_gpt2", "easy_repeatable_gpt2", "easy_repeatable_qwen"):
-        assert not compose_train([f"experiment={experiment}"]).env.block_repeats, experiment
+        assert not compose_train([f"env={option}"]).env.block_repeats, option
+    for experiment in options("experiment"):
+        assert compose_train([f"experiment={experiment}"]).env.block_repeats == ("_rule" in experiment), experiment
 
 
 def recorded_configs(result_file: str):
@@ -79,7 +77,7 @@ def test_the_default_is_the_measured_warm_start_run_and_rl_alone_recipes_keep_no
     for recorded in recorded_configs("learn_easy24_rule_ws64x256_kl01_default.json"):
         assert {k: default[k] for k in recorded} == recorded
     assert (default["warm_start"]["steps"], default["warm_start"]["games"], default["ppo"]["kl_coef"]) == (64, 256, 0.1)
-    for experiment in ("medium_rl_cpu", "twx_coin_cpu", "twx_simonsays_cpu", "easy_cpu_repeatable", "easy_fresh_gpt2",
+    for experiment in ("medium_rl_rule_cpu", "twx_coin_cpu", "twx_simonsays_cpu", "easy_cpu_repeatable", "easy_fresh_gpt2",
                        "easy_repeatable_gpt2", "easy_repeatable_qwen", "medium_fresh_gpt2", "medium_fresh_qwen",
                        "medium_repeatable_gpt2"):
         cfg = compose_train([f"experiment={experiment}"])
@@ -126,9 +124,9 @@ def test_auto_precision_is_measured_on_a_cpu_and_native_bf16_on_a_gpu(monkeypatc
 
 
 def test_the_rl_alone_medium_recipe_is_its_measured_run():
-    """experiment=medium_rl_cpu is the run whose figures its file and the README give for it (the
+    """experiment=medium_rl_rule_cpu is the run whose figures its file and the README give for it (the
     recorded configs of its three seeds)."""
-    recipe = composed(["experiment=medium_rl_cpu"])
+    recipe = composed(["experiment=medium_rl_rule_cpu"])
     for recorded in recorded_configs("learn_medium12_fewest_dropcache_epochs1_lr2_block_repeats.json"):
         assert {k: recipe[k] for k in recorded} == recorded
 

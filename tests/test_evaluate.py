@@ -131,3 +131,34 @@ def test_training_evaluations_log_how_the_games_not_won_failed(checkpoint):
     for r in rows:  # each held-out game either won or failed in exactly one way
         shares = [float(r[f"eval/failures/{kind}"]) for kind in KINDS]
         assert float(r["eval/win_rate"]) + sum(shares) == pytest.approx(1.0)
+
+
+def test_temperature_plays_sampled_beside_greedy_never_instead(checkpoint, tmp_path):
+    """--temperature T: results.json keeps the greedy figures as they are and adds ``sampled``, the
+    same games sampled at T (one seed per game from --seed: the same seed plays them the same way)."""
+    args = ["--checkpoint", checkpoint, "--games", "8"]
+    assert main([*args, "--out", str(tmp_path / "greedy")]) == 0
+    assert main([*args, "--temperature", "0.7", "--out", str(tmp_path / "t")]) == 0
+    assert main([*args, "--temperature", "0.7", "--out", str(tmp_path / "again")]) == 0
+    greedy, sampled, again = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("greedy", "t", "again"))
+    assert "sampled" not in greedy and greedy["per_game"] == sampled["per_game"]
+    s = sampled["sampled"]
+    assert s["temperature"] == 0.7 and s["games"] == 8 and s["per_game"] == again["sampled"]["per_game"]
+    assert [g["game"] for g in s["per_game"]] == [g["game"] for g in greedy["per_game"]]
+    # the tiny policy's greedy play repeats its likeliest command to the step limit; sampled, it
+    # plays about as the random policy, which wins some easy games in 8 steps
+    assert [g["steps"] for g in s["per_game"]] != [g["steps"] for g in greedy["per_game"]]
+    with pytest.raises(SystemExit):
+        main(["--random", "--temperature", "0.7"])
+
+
+def test_training_evaluation_logs_sampled_play_beside_greedy_with_eval_temperature(tmp_path):
+    from tests.conftest import read_metrics
+
+    cli.train(config(tmp_path, "iterations=1", "eval.temperature=0.7"))
+    rows = [r for r in read_metrics(tmp_path) if r.get("eval/win_rate")]
+    assert len(rows) == 2
+    for r in rows:
+        assert 0 <= float(r["eval/sampled/win_rate"]) <= 1 and float(r["eval/sampled/episode_len"]) >= 1
+    with pytest.raises(Exception, match="eval.temperature"):
+        cli.train(config(tmp_path / "bad", "eval.temperature=0"))

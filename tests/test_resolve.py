@@ -131,3 +131,9 @@ def test_train_py_refuses_ppo_seed_before_hydra_composes():
                          timeout=300)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1] == f"error: {RENAMED}", out.stderr[-2000:]
+
+
+def test_the_rl_alone_medium_recipe_with_the_rule_says_so_in_its_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"^experiment=medium_rl_cpu was renamed experiment=medium_rl_rule_cpu"):
+        check_renamed_options(["experiment=medium_rl_cpu"])
+    assert config(tmp_path, "experiment=medium_rl_rule_cpu").env.block_repeats

@@ -87,8 +87,9 @@ class EnvConfig:
     win_bonus: float = 1.0
     # charged on the losing step, with the step penalty of the steps it leaves unplayed (textrl.games.env)
     loss_penalty: float = 1.0
-    # offer only the commands played fewest times from the same state in the episode: a rule against loops
-    block_repeats: bool = True
+    # offer only the commands played fewest times from the same state in the episode: a rule against
+    # loops that changes the game (off: the game as it is, where every reported figure is measured)
+    block_repeats: bool = False
     history_len: int = 8  # past turns kept by the environment
     # verbs whose latest answer stays in the prompt when the history is cut (e.g. [read]: the recipe)
     keep_answers: list[str] = field(default_factory=list)
@@ -107,12 +108,6 @@ class EnvConfig:
     step_timeout: float = 60.0
     # the run stops (GameFaultError) when more than this share of an iteration's episodes are aborted
     max_aborted: float = 0.5
-
-    def offering_every_command(self) -> EnvConfig:
-        """These settings as an untrained model, the random policy or a person plays them: every
-        admissible command offered. ``block_repeats`` is a trained policy's action space (on by
-        default, easy's), not a property of the games."""
-        return replace(self, block_repeats=False)
 
     def with_prompt_of(self, policy_env: EnvConfig) -> EnvConfig:
         """These games, shown the way a policy trained on ``policy_env`` saw its own: its prompt
@@ -210,6 +205,8 @@ class EvalConfig:
     probes: int = 8
     # evaluate before training; an untrained policy's evaluation can cost more than an iteration
     before_training: bool = True
+    # also play the held-out games sampled at this temperature (eval/sampled_*), beside greedy; None: greedy only
+    temperature: Optional[float] = None
 
 
 @dataclass
@@ -380,6 +377,8 @@ def _check_eval(v: EvalConfig, e: EnvConfig) -> None:
         _check(f"eval.{key}", getattr(v, key), getattr(v, key) >= 1, "an integer >= 1")
     _check("eval.transcripts", v.transcripts, v.transcripts >= 0, "an integer >= 0")
     _check("eval.probes", v.probes, v.probes >= 0, "an integer >= 0")
+    _check("eval.temperature", v.temperature, v.temperature is None or (math.isfinite(v.temperature) and v.temperature > 0),
+           "a number > 0, or null (greedy only)")
     n_train = training_game_count(e)
     _check("eval.train_games", v.train_games, 0 <= v.train_games <= n_train,
            f"between 0 and the training games available ({n_train})")
@@ -524,7 +523,8 @@ def native_bf16(cuda: bool) -> bool:
 
 
 # options that were renamed: (group, old name) -> the new name and what it is
-RENAMED_OPTIONS = {("ppo", "seed"): "blog (the blog post's hyper-parameters)"}
+RENAMED_OPTIONS = {("ppo", "seed"): "blog (the blog post's hyper-parameters)",
+                   ("experiment", "medium_rl_cpu"): "medium_rl_rule_cpu (RL alone with the fewest-played rule)"}
 
 
 def check_renamed_options(overrides: list[str]) -> None:

@@ -6,12 +6,15 @@
     textrl-eval --checkpoint CKPT --env easy medium hard tw_cooking        # a generalization table
     textrl-eval --checkpoint CKPT --games my_games/ --max-steps 50         # any game files
     textrl-eval --checkpoint CKPT --first-game 500000                      # games no run ever plays
+    textrl-eval --checkpoint CKPT --no-block-repeats --temperature 0.4     # the game as it is; sampled too
 
 The games are the first N evaluation games of an env option (the same held-out set training
 evaluates on; never a training game), the N from ``--first-game`` on (a large index: games of seeds
 that neither training nor its evaluation ever plays, to check that a figure is not a fit to the
 held-out set), or the given game files (``.z8``/``.ulx`` with TextWorld's
-``.json`` beside them). A checkpoint plays other settings with the prompt it was trained with.
+``.json`` beside them). A checkpoint plays other settings with the prompt it was trained with, and
+with the fewest-played rule (``env.block_repeats``) if it was trained with it, unless
+``--no-block-repeats`` (every admissible command: the game as it is) or ``--block-repeats`` says.
 Writes ``<out>/results.json`` (win rate, steps, return: mean and 95% interval, how the lost games
 failed (``textrl.failures``), plus every game) and ``<out>/transcripts.md`` (with a policy: the
 other commands it considered at each step, with their probabilities, as training's transcripts);
@@ -39,7 +42,7 @@ from textrl.policy.decoding import ConstrainedDecoder
 from textrl.policy.loading import LoadedPolicy, load_policy
 from textrl.policy.model import ModelNotFoundError
 from textrl.policy.speed import autocast_context, resolve_precision
-from textrl.rollout import Episode, Player, play_games, play_uniform
+from textrl.rollout import Episode, Player, Sampling, episode_seeds, play_games, play_uniform
 from textrl.results import summarize
 from textrl.transcripts import transcript_rows, write_transcripts
 
@@ -80,7 +83,8 @@ def load_source(policy_source: str, cache_dir: str | None = None, model_path: st
 def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64, batch: int = 32, seed: int = 0,
              cache_dir: str | None = None, device: str | None = None, files: list[Path] | None = None,
              max_steps: int | None = None, loaded=None, transcripts: int | None = None,
-             block_repeats: bool | None = None, first_game: int = 0) -> tuple[dict, list[Episode], list[list] | None]:
+             block_repeats: bool | None = None, first_game: int = 0,
+             temperature: float | None = None) -> tuple[dict, list[Episode], list[list] | None]:
     """Play ``games`` held-out games of the env option ``env_name`` (default: the checkpoint's own
     setting, else easy), or the game ``files``. ``policy_source``: ``random``, ``model:<name>``
     (untrained) or ``checkpoint:<path>``; ``loaded``: its ``load_source`` result, to play several
@@ -89,8 +93,10 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
     (the user's, never a checkpoint's). Returns the summary, the episodes, and the transcript rows of
     the first ``transcripts`` episodes (None: all) with the policy's alternatives at each step (None
     for the random policy, which has none). ``block_repeats``: ``env.block_repeats`` for this play
-    (None: the checkpoint's, else off). ``first_game``: the index of the first evaluation game played
-    (0: the held-out set training evaluates on)."""
+    (None: as the checkpoint was trained, else off: the game as it is). ``first_game``: the index of
+    the first evaluation game played (0: the held-out set training evaluates on). ``temperature``: a
+    policy also plays the games sampled at it (one seed per game from ``seed``), summarised under
+    ``sampled`` beside the greedy figures, never instead of them."""
     if loaded is None:
         loaded = load_source(policy_source, cache_dir, device=device)
     policy, tokenizer, cfg, precision = loaded or (None, None, None, None)  # the random policy: none
@@ -98,7 +104,7 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
         # another setting's games, shown with the prompt the policy was trained with
         env = load_env_config(env_name).with_prompt_of(cfg.env) if env_name else cfg.env
     else:
-        env = load_env_config(env_name or "easy").offering_every_command()  # unless block_repeats says otherwise
+        env = load_env_config(env_name or "easy")
     if max_steps is not None:
         env = replace(env, max_steps=max_steps)
     if block_repeats is not None:
@@ -116,11 +122,14 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
         precision = resolve_precision(precision, policy, device, cache_dir)  # auto: as training decides it
         player = Player(policy, tokenizer, [ConstrainedDecoder(policy, drop_cut_turns=env.drop_turns_from_cache)],
                         autocast=lambda: autocast_context(precision, device))
-    episodes: list[Episode] = []
+    episodes, sampled = [], []
     for start in range(0, len(paths), batch):
         chunk = paths[start:start + batch]
         if player is not None:
             episodes += play_games(player, chunk, env)[0]
+            if temperature is not None:
+                sampling = Sampling(temperature, episode_seeds(seed, 0, chunk))
+                sampled += play_games(player, chunk, env, sampling)[0]
         else:
             envs = [open_game(p, env) for p in chunk]
             try:
@@ -134,6 +143,8 @@ def evaluate(policy_source: str, env_name: str | None = None, *, games: int = 64
                "max_steps": env.max_steps, "block_repeats": env.block_repeats, "greedy": policy is not None,
                "precision": precision, "first_game": None if files is not None else first_game,
                **summarize(episodes)}
+    if sampled:
+        summary["sampled"] = {"temperature": temperature, "seed": seed, **summarize(sampled)}
     rows = None
     if player is not None:  # the alternatives: one forward per step, under the policy's autocast
         with player.autocast():
@@ -168,6 +179,13 @@ def write_result(summary: dict, episodes: list[Episode], out: Path, command: str
     for key in ("win_rate", "steps", "return"):
         lo, hi = summary[key]["ci95"]
         print(f"{key:>9}: {summary[key]['mean']:.3f}  (95% CI {lo:.3f} .. {hi:.3f})")
+    if "sampled" in summary:
+        s = summary["sampled"]
+        lo, hi = s["win_rate"]["ci95"]
+        print(f"  sampled at T={s['temperature']}: win_rate {s['win_rate']['mean']:.3f} (95% CI {lo:.3f} .. {hi:.3f}), "
+              f"steps {s['steps']['mean']:.2f}")
+    if summary["block_repeats"]:
+        print("  played with the fewest-played rule (env.block_repeats): not the game as it is")
     failed = {k: c for k, c in summary["failures"].items() if c}
     if failed:
         print(" not won: " + ", ".join(f"{c} {k}" for k, c in failed.items()))
@@ -199,11 +217,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="index of the first held-out game (default 0: the games training evaluates on); a large "
                          "one, e.g. 500000, plays games of seeds no run ever plays")
     ap.add_argument("--max-steps", type=int, help="step limit (default: the env option's)")
-    ap.add_argument("--block-repeats", action="store_true",
-                    help="offer only the commands played fewest times from the same state in the episode (env.block_repeats; "
-                         "default: as the checkpoint was trained, else off)")
+    ap.add_argument("--block-repeats", action=argparse.BooleanOptionalAction, default=None,
+                    help="--block-repeats: offer only the commands played fewest times from the same state in the "
+                         "episode (env.block_repeats, a rule that changes the game); --no-block-repeats: every "
+                         "admissible command, the game as it is. Default: as the checkpoint was trained, else off")
+    ap.add_argument("--temperature", type=float,
+                    help="a policy also plays each game sampled at this temperature, reported beside greedy")
     ap.add_argument("--batch", type=int, default=32, help="games decoded together")
-    ap.add_argument("--seed", type=int, default=0, help="random policy only")
+    ap.add_argument("--seed", type=int, default=0, help="the random policy's seed, and the sampled play's (--temperature)")
     ap.add_argument("--transcripts", type=int, default=None, help="games to transcribe (default: all)")
     ap.add_argument("--out", help="output directory (default eval/<policy>-<env>)")
     ap.add_argument("--model-path", help="the model directory a checkpoint was trained from (model.path=DIR); never taken from the checkpoint")
@@ -214,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     count = args.games[0] if len(args.games) == 1 and args.games[0].isdigit() else None
     if args.batch < 1 or (count is not None and int(count) < 1) or (args.max_steps is not None and args.max_steps < 1):
         ap.error("--games (a count), --batch and --max-steps must be >= 1")
+    if args.temperature is not None and (args.random or not args.temperature > 0):
+        ap.error("--temperature must be > 0, and goes with a policy (--checkpoint or --model), not --random")
     if args.first_game < 0 or (args.first_game and count is None):
         ap.error("--first-game must be >= 0, and goes with --games N (a count), not with game files")
     if count is None and args.env and len(args.env) > 1:
@@ -237,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    seed=args.seed, cache_dir=args.cache_dir, files=files,
                                                    max_steps=args.max_steps, loaded=loaded,
                                                    transcripts=args.transcripts,
-                                                   block_repeats=True if args.block_repeats else None,
-                                                   first_game=args.first_game)
+                                                   block_repeats=args.block_repeats, first_game=args.first_game,
+                                                   temperature=args.temperature)
                 # written as soon as played (and the table so far): a long evaluation keeps what it did
                 out = Path(args.out or f"eval/{name}-{summary['env']}") if single else root / f"{name}-{summary['env']}"
                 write_result(summary, episodes, out, command, args.transcripts, rows)

@@ -64,7 +64,7 @@ def _load_player(args, device: torch.device) -> tuple[PolicyValueModel, PromptBu
     if cfg is not None:
         env = load_env_config(args.env).with_prompt_of(cfg.env) if args.env else cfg.env
     else:
-        env = load_env_config(args.env or "easy").offering_every_command()
+        env = load_env_config(args.env or "easy")
     if args.max_prompt_tokens:
         env = replace(env, max_prompt_tokens=args.max_prompt_tokens)
     # prompts within the model's positions (GPT-2: 1,024)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     policy = None
     device = process_device()  # this process's GPU (as training picks it), else the CPU
     try:
-        env_cfg = load_env_config(args.env or "easy").offering_every_command()  # a person's play
+        env_cfg = load_env_config(args.env or "easy")  # a person's play
         if args.model or args.checkpoint:
             policy, prompts, env_cfg, precision = _load_player(args, device)
         path = args.game_file or GamePool(GameSpec.from_env(env_cfg), cache_dir=args.cache_dir) \

@@ -117,9 +117,6 @@ def stored_config(state: dict) -> TrainConfig:
         env.max_steps = env.get("max_steps") or preset.max_steps
         for key in ("name", "game", "rooms", "objects", "quest_length", "theme"):
             env[key] = getattr(preset, key)
-    # written before env.block_repeats existed, when every command was offered: today's
-    # default (the rule on) would play such a policy with an action space it never had
-    env.setdefault("block_repeats", False)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
 
 

@@ -217,11 +217,15 @@ class PPOModule(L.LightningModule):
     # ---- evaluation -----------------------------------------------------------------------
     def on_validation_epoch_start(self):
         self._eval_episodes = [[], []]  # held-out games, fixed training games
+        self._sampled_episodes = []  # held-out games sampled at eval.temperature (if set): eval/sampled/*
         self._eval_start = time.perf_counter()
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
         games, env = batch  # the held-out games (loader 0), or fixed training games of the current stage (1)
         self._eval_episodes[dataloader_idx] += play_games(self.player, games, env)[0]
+        if self.cfg.eval.temperature is not None and dataloader_idx == 0:  # beside greedy, never instead of it
+            sampling = Sampling(self.cfg.eval.temperature, episode_seeds(self.cfg.seed, self.iterations_done, games))
+            self._sampled_episodes += play_games(self.player, games, env, sampling)[0]
 
     def on_validation_epoch_end(self):
         iteration = self.iterations_done  # the policy after this many iterations
@@ -235,6 +239,9 @@ class PPOModule(L.LightningModule):
             metrics["eval/train_win_rate"] = train["eval/win_rate"]
             metrics["eval/train_episode_len"] = train["eval/episode_len"]
         metrics.update(self._failure_metrics(episodes))
+        if self.cfg.eval.temperature is not None:
+            sampled, _ = self._completed(self._sampled_episodes, self.cfg.env.max_aborted, "evaluation")
+            metrics.update(self._all_ranks_metrics(sampled, "eval/sampled"))
         if self.cfg.eval.probes:
             metrics.update(self._probe_metrics())
         metrics["iteration"] = float(iteration)
