@@ -200,7 +200,7 @@ def test_checkpoints_written_before_env_options_load_as_the_same_games():
     medium = load_env_config("medium")
     assert (env.name, env.rooms, env.quest_length, env.max_steps, env.goal_last) == ("medium", 3, 3, 32, True)
     assert GameSpec.from_env(env).key == GameSpec.from_env(medium).key
-    # from before env.block_repeats: played as trained, every command offered (the default is the rule)
+    # from before env.block_repeats: played as trained, every command offered
     assert not env.block_repeats
     written = {"textrl": {"config": {"output_dir": "x", "env": {"name": "easy", "block_repeats": True}}}}
     assert checkpoint_config(written).env.block_repeats

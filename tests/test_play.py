@@ -10,8 +10,8 @@ def test_human_play_refuses_bad_commands_and_accepts_numbers_and_text(monkeypatc
     assert main(["--difficulty", "easy", "--game", "2"]) == 0
     out = capsys.readouterr().out
     assert "'dance wildly' is not admissible here" in out
-    # "0" and "look" twice were played: a person is offered every command, though easy trains with
-    # env.block_repeats (which would refuse the second "look" from the same state)
+    # "0" and "look" twice were played: a person is offered every command (env.block_repeats would
+    # refuse the second "look" from the same state)
     assert out.count("reward -0.10") + out.count("reward +") == 3
     assert out.count("not admissible here") == 1
     assert "GOAL:" in out and out.rstrip().endswith("bye")

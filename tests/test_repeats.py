@@ -29,8 +29,8 @@ def test_an_episode_counts_the_commands_played_again_from_the_same_state(prompts
 
 
 def test_training_and_evaluation_log_the_share_of_repeated_turns(tmp_path):
-    # the rule (env.block_repeats, on by default on easy) offers a repeat only once all were played
-    result = cli.train(config(tmp_path, "iterations=1", "env.block_repeats=false"))
+    # every command offered (no env.block_repeats, which offers a repeat only once all were played)
+    result = cli.train(config(tmp_path, "iterations=1"))
     held_out, _ = result["module"]._eval_episodes  # the last evaluation's episodes
     rows = read_metrics(tmp_path)
     last = [r for r in rows if r.get("eval/repeats")][-1]
