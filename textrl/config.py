@@ -205,7 +205,7 @@ class EvalConfig:
     probes: int = 8
     # evaluate before training; an untrained policy's evaluation can cost more than an iteration
     before_training: bool = True
-    # also play the held-out games sampled at this temperature (eval/sampled_*), beside greedy; None: greedy only
+    # also play the held-out games sampled at this temperature (eval/sampled/*), beside greedy; None: greedy only
     temperature: Optional[float] = None
 
 
