@@ -136,14 +136,14 @@ def test_training_evaluations_log_how_the_games_not_won_failed(checkpoint):
 def test_temperature_plays_sampled_beside_greedy_never_instead(checkpoint, tmp_path):
     """--temperature T: results.json keeps the greedy figures as they are and adds ``sampled``, the
     same games sampled at T (one seed per game from --seed: the same seed plays them the same way)."""
-    args = ["--checkpoint", checkpoint, "--games", "8"]
+    args = ["--checkpoint", checkpoint, "--games", "16"]
     assert main([*args, "--out", str(tmp_path / "greedy")]) == 0
     assert main([*args, "--temperature", "0.7", "--out", str(tmp_path / "t")]) == 0
     assert main([*args, "--temperature", "0.7", "--out", str(tmp_path / "again")]) == 0
     greedy, sampled, again = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("greedy", "t", "again"))
     assert "sampled" not in greedy and greedy["per_game"] == sampled["per_game"]
     s = sampled["sampled"]
-    assert s["temperature"] == 0.7 and s["games"] == 8 and s["per_game"] == again["sampled"]["per_game"]
+    assert s["temperature"] == 0.7 and s["games"] == 16 and s["per_game"] == again["sampled"]["per_game"]
     assert [g["game"] for g in s["per_game"]] == [g["game"] for g in greedy["per_game"]]
     # the tiny policy's greedy play repeats its likeliest command to the step limit; sampled, it
     # plays about as the random policy, which wins some easy games in 8 steps
