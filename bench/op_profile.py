@@ -97,8 +97,9 @@ def classify(events, weights: set[tuple[int, int]]) -> dict:
             "share": {c: round(v / total, 4) for c, v in seconds.items()} if total else {},
             "linear_gflop": round(linear_flops / 1e9, 1),
             "linear_gflops_per_s": round(linear_flops / 1e9 / seconds["linear"], 1) if seconds["linear"] else None,
-            "top_ops": [(e.key, round(e.self_cpu_time_total / 1e6, 3), e.count)
-                        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]]}
+            # each op with its input shapes (events are grouped by them), self seconds and calls
+            "top_ops": [(e.key, round(e.self_cpu_time_total / 1e6, 3), e.count, [list(x) for x in e.input_shapes])
+                        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:20]]}
 
 
 def main(argv=None):

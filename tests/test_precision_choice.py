@@ -1,6 +1,7 @@
-"""``memory=auto`` on a CPU decides by measurement (issue 32): the faster of fp32 and bf16 autocast on
-the model's own linear shapes, measured once per machine and cached; one start-up line names both
-figures and the choice. The timing itself (``time_linears``) is stubbed to either answer."""
+"""``memory=auto`` on a CPU decides by measurement (issues 32, 69): the faster of fp32 and bf16 autocast
+on a forward and backward of the model itself, measured once per machine and cached; one start-up
+line names both figures and the choice. The timing itself (``time_training``) is stubbed to either
+answer, and run for real once."""
 
 import json
 import logging
@@ -18,13 +19,13 @@ from tests.conftest import config
 
 
 class Timing:
-    """A stand-in for ``time_linears``: fixed (fp32, bf16) GFLOP/s, and how often it was asked."""
+    """A stand-in for ``time_training``: fixed (fp32, bf16) tokens/s, and how often it was asked."""
 
     def __init__(self, fp32, bf16):
         self.answer, self.calls = (fp32, bf16), 0
 
-    def __call__(self, shapes, *args, **kwargs):
-        assert shapes  # the model's shapes reach the measurement
+    def __call__(self, model, *args, **kwargs):
+        assert hasattr(model, "hidden")  # the policy itself reaches the measurement
         self.calls += 1
         return self.answer
 
@@ -40,7 +41,7 @@ def cache(tmp_path, monkeypatch):
 
 def stub(monkeypatch, fp32, bf16) -> Timing:
     timing = Timing(fp32, bf16)
-    monkeypatch.setattr(precision, "time_linears", timing)
+    monkeypatch.setattr(precision, "time_training", timing)
     return timing
 
 
@@ -48,9 +49,9 @@ def stub(monkeypatch, fp32, bf16) -> Timing:
 def test_auto_picks_the_precision_the_measurement_says_is_faster(tiny, cache, monkeypatch, fp32, bf16, expected):
     timing = stub(monkeypatch, fp32, bf16)
     choice = choose_precision(tiny[0], "cpu")
-    assert (choice.precision, choice.fp32_gflops, choice.bf16_gflops, timing.calls) == (expected, fp32, bf16, 1)
+    assert (choice.precision, choice.fp32_tokens_per_s, choice.bf16_tokens_per_s, timing.calls) == (expected, fp32, bf16, 1)
     stored = json.loads(next(cache.glob("*.json")).read_text())
-    assert (stored["precision"], stored["fp32_gflops"], stored["bf16_gflops"]) == (expected, fp32, bf16)
+    assert (stored["precision"], stored["fp32_tokens_per_s"], stored["bf16_tokens_per_s"]) == (expected, fp32, bf16)
     assert stored["key"]["threads"] == torch.get_num_threads() and stored["key"]["torch"] == torch.__version__
 
 
@@ -60,7 +61,7 @@ def test_the_cached_decision_is_reused_and_another_key_measures_again(tiny, cach
     timing.answer = (300.0, 100.0)  # a second measurement would say otherwise
     again = choose_precision(tiny[0], "cpu")
     assert timing.calls == 1 and again.precision == first.precision == "bf16-mixed"
-    assert (again.fp32_gflops, again.bf16_gflops) == (100.0, 300.0) and "read from" in again.how
+    assert (again.fp32_tokens_per_s, again.bf16_tokens_per_s) == (100.0, 300.0) and "read from" in again.how
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1 if threads == 1 else threads - 1)  # another thread count: another key
     try:
@@ -109,7 +110,7 @@ def test_forced_precisions_and_cuda_are_not_measured(tiny, cache, monkeypatch, t
         assert choose_precision(tiny[0], "cuda").precision == ("bf16-mixed" if native else "32-true")
     monkeypatch.setattr(precision, "cpu_bf16_autocast", lambda: False)  # no bf16 autocast at all: fp32
     choice = choose_precision(tiny[0], "cpu")
-    assert (choice.precision, choice.fp32_gflops) == ("32-true", None)
+    assert (choice.precision, choice.fp32_tokens_per_s) == ("32-true", None)
     assert timing.calls == 0 and not cache.exists()
 
 
@@ -147,6 +148,24 @@ def test_the_shapes_are_the_models_linear_layers_without_its_head(tiny):
     assert sum(shapes.values()) == len(linears) and (head.in_features, head.out_features) not in shapes
 
 
+def test_the_measurement_is_a_forward_and_backward_that_leaves_nothing_behind(tiny):
+    """``time_training`` runs the policy's forward and the backward into its trainable weights in each
+    precision, and leaves no gradient, the mode and the random state as they were."""
+    policy = tiny[0]
+    policy.train()
+    state = torch.random.get_rng_state()
+    calls = []
+    top = [p for p in policy.lm.parameters() if p.requires_grad][-1]
+    hook = top.register_hook(lambda grad: calls.append(grad.dtype))
+    try:
+        fp32, bf16 = precision.time_training(policy, tokens=16, repeats=1)
+    finally:
+        hook.remove()
+    assert fp32 > 0 and bf16 > 0 and policy.training
+    assert all(p.grad is None for p in policy.parameters()) and torch.equal(torch.random.get_rng_state(), state)
+    assert calls == [torch.float32] * 4  # a backward per precision per round (warm-up, timed) into the fp32 weight
+
+
 def test_training_decides_at_start_and_logs_both_figures_and_the_choice(tmp_path, cache, monkeypatch, caplog):
     timing = stub(monkeypatch, 123.4, 567.8)
     cfg = config(tmp_path, "memory=auto", "iterations=1", "eval.before_training=false", "eval.games=2",
@@ -157,7 +176,7 @@ def test_training_decides_at_start_and_logs_both_figures_and_the_choice(tmp_path
     lines = [r.getMessage() for r in caplog.records if r.name == "textrl.training.run" and r.getMessage().startswith("memory=")]
     assert len(lines) == 1, lines
     assert lines[0].startswith("memory=auto: precision bf16-mixed: ")
-    assert "123.4 GFLOP/s in fp32" in lines[0] and "567.8 GFLOP/s under bf16 autocast" in lines[0]
+    assert "123.4 tokens/s in fp32" in lines[0] and "567.8 tokens/s under bf16 autocast" in lines[0]
     assert timing.calls == 1
     assert result["trainer"].precision == "bf16-mixed" and result["module"].cfg.ppo.recompute_old is True
     saved = load(result["last"])["textrl"]["config"]  # what textrl-eval and textrl-play read back

@@ -205,8 +205,8 @@ def play_games(player: Player, games: list[Path], env: EnvConfig,
     """Open ``games`` with ``env``'s settings, play one episode each (sampled with ``sampling``,
     greedy without), close them. The one function training rollouts, evaluation, ``textrl-eval``
     and the benchmarks play through: the policy in eval mode (gradient checkpointing and dropout
-    act in train mode only) under its autocast, with its frozen weights cast to the autocast dtype
-    once for the rollout instead of at every call."""
+    act in train mode only) under its autocast, with its weights cast to the autocast dtype once
+    for the rollout instead of at every call (``PolicyValueModel.weights_cast_once``)."""
     cuts = {d.drop_cut_turns for d in player.decoders if isinstance(d, ConstrainedDecoder)}
     if cuts - {env.drop_turns_from_cache}:  # a decoder is made for its games' setting, never changed by a call
         raise ValueError(f"the player's decoders were made with drop_cut_turns={cuts}; these games have "
@@ -217,7 +217,7 @@ def play_games(player: Player, games: list[Path], env: EnvConfig,
     was_training = player.policy.training
     try:
         player.policy.eval()
-        with torch.no_grad(), player.autocast(), player.policy.frozen_linears_in_autocast_dtype():
+        with torch.no_grad(), player.autocast(), player.policy.weights_cast_once():
             episodes, stats = decode_episodes(envs, player.decoders, prompts, sampling, bootstrap=sampling is not None)
     finally:
         player.policy.train(was_training)

@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = PromptBuilder.for_env(tokenizer, env)
     # both models under the autocast the tuned policy was trained and evaluated with, on their device
     device = next(tuned.parameters()).device
-    with autocast_context(cfg.memory.precision, device, tuned, args.cache_dir), tuned.frozen_linears_in_autocast_dtype(), \
-            base.frozen_linears_in_autocast_dtype():
+    with autocast_context(cfg.memory.precision, device, tuned, args.cache_dir), tuned.weights_cast_once(), \
+            base.weights_cast_once():
         per_game = [opening_attention(path, game, prompts, {"base": base, "tuned": tuned})
                     for path, game in zip(paths, games)]
     # the share per layer, mean over the games; the panels show the first game

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         decoder = ConstrainedDecoder(policy, drop_cut_turns=env_cfg.drop_turns_from_cache)
         # one autocast for the whole game: the decoder's KV cache is kept in its dtype between turns
         with torch.no_grad(), autocast_context(precision, device, policy, args.cache_dir), \
-                policy.frozen_linears_in_autocast_dtype():
+                policy.weights_cast_once():
             return _run_game(env, lambda obs: _model_command(policy, decoder, prompts, obs, env.history, args.top))
     finally:
         env.close()

@@ -29,7 +29,8 @@ from torch import nn
 from textrl.config import ModelConfig, default_cache_dir, load_model_config
 from textrl.policy.device import process_device
 from textrl.policy.memory import apply_memory, quantization_config
-from textrl.policy.speed import UNSUPPORTED, attend, products_run, routed_to_ragged, stream_attention, transformer_blocks
+from textrl.policy.speed import (UNSUPPORTED, attend, products_run, routed_to_ragged, stream_attention, transformer_blocks,
+                                 weights_cast_once)
 
 log = logging.getLogger(__name__)
 
@@ -437,38 +438,11 @@ class PolicyValueModel(nn.Module):
         """The value read from ``hidden``."""
         return self.value_head(hidden.detach() if self.detach_value else hidden).float()
 
-    @contextmanager
-    def frozen_linears_in_autocast_dtype(self):
-        """Inside, under autocast, the frozen linear layers hold their weights (and biases) in the
-        autocast dtype; outside, or without autocast, nothing changes.
-
-        Autocast keeps the casts of weights that train for as long as its context lasts, but casts a
-        frozen weight again at every call: every frozen weight read and written per model call,
-        which weighs most on the small fork-level calls. Autocast would compute these layers in that
-        dtype anyway, from the same rounded weights, so the outputs are bit for bit the same (pinned
-        by tests/test_model.py). The copies cost 2 bytes per frozen weight for as long as the
-        context lasts (the rollout), and are made once per context. Output embeddings are left out:
-        tied to the input embeddings, which look up fp32 rows; 4-bit and other non-float weights too.
-        """
-        device = next(self.parameters()).device.type
-        if not torch.is_autocast_enabled(device):
-            yield
-            return
-        dtype = torch.get_autocast_dtype(device)
-        head = self.lm.get_output_embeddings()
-        swapped = []
-        for module in self.lm.modules():
-            if type(module) is not nn.Linear or module is head:
-                continue
-            for name, p in list(module.named_parameters(recurse=False)):
-                if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
-                    swapped.append((module, name, p))
-                    setattr(module, name, nn.Parameter(p.detach().to(dtype), requires_grad=False))
-        try:
-            yield
-        finally:
-            for module, name, p in swapped:
-                setattr(module, name, p)
+    def weights_cast_once(self):
+        """The context in which, under autocast, the linear layers compute on weights cast to the
+        autocast dtype once instead of at every call (``textrl.policy.speed.cast_once``): the same
+        bits, without re-casting every weight at every model call."""
+        return weights_cast_once(self.lm, self.value_head)
 
 
 def freeze_below_top_layers(lm: nn.Module, n: int) -> None:

@@ -192,12 +192,13 @@ class PPOUpdate:
         with stats.timer.phase("update"):
             for step, normalizer in zip(data.steps, self.step_normalizers(data.steps)):
                 minibatches = []
-                for k, minibatch in enumerate(step):
-                    # gradients accumulate locally; DDP all-reduces them once, at the step's last backward
-                    with self.runtime.no_sync() if k < len(step) - 1 else contextlib.nullcontext():
-                        terms, fed = self.loss(minibatch, data, normalizer)
-                        self.runtime.backward(terms.loss)
-                    minibatches.append((terms, fed))
+                with self.policy.weights_cast_once():  # the step's forwards share one cast of each weight
+                    for k, minibatch in enumerate(step):
+                        # gradients accumulate locally; DDP all-reduces them once, at the step's last backward
+                        with self.runtime.no_sync() if k < len(step) - 1 else contextlib.nullcontext():
+                            terms, fed = self.loss(minibatch, data, normalizer)
+                            self.runtime.backward(terms.loss)
+                        minibatches.append((terms, fed))
                 norms = self.clip_gradients(optimizer)
                 # the step's one read on the host: its gradient norms, and with ppo.target_kl its KL
                 host = (torch.cat([norms, self.step_kl(minibatches)]) if kl_stop else norms).tolist()
@@ -290,9 +291,10 @@ class PPOUpdate:
         minibatches (the same shapes the first update sees): under mixed precision the rollout's
         packed calls round differently, and the first ratio would not be 1."""
         logprobs, values = logprobs.clone(), values.clone()
-        for minibatch in (mb for step in steps for mb in step):
-            _, chosen, v, idx = self.forward_logprobs(minibatch, temperatures, prefix, explore)
-            logprobs[idx], values[idx] = chosen.float(), v.float()
+        with self.policy.weights_cast_once():
+            for minibatch in (mb for step in steps for mb in step):
+                _, chosen, v, idx = self.forward_logprobs(minibatch, temperatures, prefix, explore)
+                logprobs[idx], values[idx] = chosen.float(), v.float()
         return logprobs, values
 
     @torch.no_grad()
@@ -302,7 +304,7 @@ class PPOUpdate:
         policy, [decisions, widest fork] with -inf at the padding; fixed for the iteration."""
         width = max((len(a) for s in rollout.sequences for a in s.allowed), default=1)
         ref = torch.full((rollout.count, width), float("-inf"), device=self.device)
-        with self.reference.active(self.policy.lm):
+        with self.reference.active(self.policy.lm), self.policy.weights_cast_once():
             for minibatch in (mb for step in steps for mb in step):
                 logp, _, _, idx = self.forward_logprobs(minibatch, temperatures, prefix, explore)
                 ref[idx, : logp.shape[1]] = logp.float()

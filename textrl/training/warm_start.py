@@ -79,7 +79,7 @@ def command_probability(policy: PolicyValueModel, sequences: list[TrainingSequen
     (the product over its decisions). ``turns[k]``: the turn of the k-th decision of ``sequences``
     in order (a list of a longer run's turns is cut to the decisions of ``sequences``)."""
     logps = []
-    with fabric.autocast():
+    with fabric.autocast(), policy.weights_cast_once():
         for i in range(0, len(sequences), batch):
             logps += _decision_logprobs(policy, sequences[i: i + batch], pad_id).float().cpu().tolist()
     per_turn: dict[int, float] = {}
@@ -126,11 +126,12 @@ def _clone_walkthroughs(policy: PolicyValueModel, sequences: list[TrainingSequen
             batch.append(sequences[order.pop()])
         n = sum(len(s.tokens) for s in batch)
         total = 0.0
-        for i in range(0, len(batch), mb):
-            with fabric.autocast():
+        # the step's forwards share one cast of each weight (backward under the autocast, as in the PPO update)
+        with fabric.autocast(), policy.weights_cast_once():
+            for i in range(0, len(batch), mb):
                 nll = -_decision_logprobs(policy, batch[i: i + mb], pad_id).float().sum() / n
-            fabric.backward(nll)
-            total += float(nll.detach())  # for the log only
+                fabric.backward(nll)
+                total += float(nll.detach())  # for the log only
         norm = fabric.clip_gradients(policy, optimizer, max_norm=cfg.ppo.max_grad_norm, error_if_nonfinite=False)
         if scaled or math.isfinite(float(norm)):
             optimizer.step()

@@ -1,11 +1,14 @@
 """Precision: what ``memory.precision=auto`` decides, and the autocast of a ``memory.precision`` value.
 
-``auto`` on a CPU is decided by measurement (``choose_precision``): the model's own linear layer
-shapes are timed in fp32 and under bf16 autocast, and the faster one is chosen, once per machine
-(CPU model, torch threads, torch version, the shapes) and cached under the textrl cache. A flag such
-as AVX512-BF16 does not say which is faster: on some Xeons that report it, bf16 autocast runs slower
-than fp32 (issue 32); on the AMD EPYC machines of the benchmarks it is the faster one. On CUDA,
-``auto`` is bf16 where the GPU computes it natively (``textrl.config.resolve``).
+``auto`` on a CPU is decided by measurement (``choose_precision``): a forward of the model over a
+sequence and the backward into its trainable weights -- what a rollout's prompt and an update's
+sequence cost -- timed in fp32 and under bf16 autocast (with its weights cast once, as training
+casts them), and the faster one chosen, once per machine (CPU model, torch threads, torch version,
+the model's shapes and trainable size) and cached under the textrl cache. Neither a flag such as
+AVX512-BF16 nor the rate of the linear layers alone says which is faster: on some Xeons that report
+the flag, bf16 autocast runs slower than fp32 (issue 32), and where its products are faster the
+casts, norms and attention around them can eat the gain (issue 69). On CUDA, ``auto`` is bf16 where
+the GPU computes it natively (``textrl.config.resolve``).
 
 ``autocast_context`` is the autocast of a precision, for code that runs the policy outside the
 Trainer (textrl-eval, textrl-play, textrl-attention): the same computation the policy was trained and
@@ -35,38 +38,35 @@ log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 PRECISIONS = {"32-true", *AUTOCAST_DTYPES}  # the precisions a decision handed down (resume, DDP) may name
-MEASURE_ROWS = 256  # activations per timed product: a rollout chunk / an update sequence's order of size
+MEASURE_TOKENS = 256  # the timed sequence: a rollout prompt's / an update sequence's order of size
 MEASURE_REPEATS = 3  # best of
 # part of the cache key: a change to how the measurement is made measures again
-MEASURE_METHOD = f"linear-rows{MEASURE_ROWS}-best{MEASURE_REPEATS}-v1"
+MEASURE_METHOD = f"forward-backward-tokens{MEASURE_TOKENS}-best{MEASURE_REPEATS}-v2"
 
 
 @dataclass(frozen=True)
 class PrecisionChoice:
-    """What ``auto`` decided, with the figures it decided on (GFLOP/s of the model's linear layers,
-    weighted by how many layers have each shape; None where nothing was measured) and how."""
+    """What ``auto`` decided, with the figures it decided on (tokens/s of the model's forward and
+    backward, ``time_training``; None where nothing was measured) and how."""
 
     precision: str
     how: str  # measured | cached | why nothing was measured
-    fp32_gflops: float | None = None
-    bf16_gflops: float | None = None
+    fp32_tokens_per_s: float | None = None
+    bf16_tokens_per_s: float | None = None
 
     def describe(self) -> str:
-        if self.fp32_gflops is None or self.bf16_gflops is None:
+        if self.fp32_tokens_per_s is None or self.bf16_tokens_per_s is None:
             return f"precision {self.precision} ({self.how})"
-        return (f"precision {self.precision}: the model's linear layers run at {self.fp32_gflops:.1f} GFLOP/s in fp32, "
-                f"{self.bf16_gflops:.1f} GFLOP/s under bf16 autocast ({self.how})")
+        return (f"precision {self.precision}: a forward and backward of the model over {MEASURE_TOKENS} tokens runs at "
+                f"{self.fp32_tokens_per_s:.1f} tokens/s in fp32, {self.bf16_tokens_per_s:.1f} tokens/s under bf16 "
+                f"autocast ({self.how})")
 
 
 def linear_shapes(model: nn.Module) -> Counter:
     """(in_features, out_features) -> how many of the model's linear layers have that shape: its
-    ``nn.Linear`` modules (LoRA's adapters and the value head among them) and GPT-2's ``Conv1D`` (a
-    linear layer with the weight stored (in, out)), every one of which runs on every token.
-
-    The LM head (the output embedding, tied or not) is left out: the policy never multiplies it out
-    over a sequence (``PolicyValueModel.hidden`` runs the LM without it, and ``logits_of`` takes a
-    fork's few rows of it), yet at 576 x 49,152 (SmolLM2) it would weigh a fifth of the FLOPs and
-    most of the measuring time."""
+    ``nn.Linear`` modules (LoRA's adapters and the value head among them) and GPT-2's ``Conv1D``, the
+    output embedding left out (the policy never multiplies it out over a sequence). Part of the
+    decision's cache key: another architecture or size measures again."""
     lm = getattr(model, "lm", model)
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     shapes: Counter = Counter()
@@ -80,28 +80,38 @@ def linear_shapes(model: nn.Module) -> Counter:
     return shapes
 
 
-def time_linears(shapes: Counter, rows: int = MEASURE_ROWS, repeats: int = MEASURE_REPEATS) -> tuple[float, float]:
-    """(fp32, bf16-autocast) GFLOP/s of ``F.linear`` on ``rows`` activations for each shape, best of
-    ``repeats`` per shape, weighted by the shape's count: the rate of the model's linear layers.
-    Weights stay fp32 as in training (autocast casts them). Uses a generator of its own: the
-    run's random state is untouched whether the decision is measured or read from the cache."""
-    gen = torch.Generator().manual_seed(0)
-    best = {shape: [float("inf"), float("inf")] for shape in shapes}
-    operands = {(n_in, n_out): (torch.randn(rows, n_in, generator=gen), torch.randn(n_out, n_in, generator=gen) * 0.02)
-                for n_in, n_out in shapes}
-    with torch.no_grad():
-        for repeat in range(repeats + 1):  # the first round warms up (oneDNN primitives, allocations)
-            for shape, (x, w) in operands.items():
-                for i, ctx in enumerate((contextlib.nullcontext, lambda: torch.autocast("cpu", dtype=torch.bfloat16))):
-                    with ctx():
+def time_training(model: nn.Module, tokens: int = MEASURE_TOKENS, repeats: int = MEASURE_REPEATS) -> tuple[float, float]:
+    """(fp32, bf16-autocast) tokens/s of what training computes per token: ``model.hidden`` (the
+    policy's forward, no LM head) over one sequence of ``tokens`` random tokens, and the backward into
+    its trainable weights, best of ``repeats`` after a warm-up round. Under bf16 the weights are cast
+    once (``model.weights_cast_once``), as the rollout and the update cast them. Leaves nothing
+    behind: no ``.grad`` (``torch.autograd.grad``), the model's mode restored, its own generator (the
+    run's random state is untouched whether the decision is measured or read from the cache)."""
+    lm = getattr(model, "lm", model)
+    ids = torch.randint(0, lm.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    inputs = (ids, torch.ones_like(ids), torch.arange(tokens)[None])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    best = [float("inf"), float("inf")]
+    was_training = model.training
+    model.eval()  # the same products; no dropout drawing from the run's random state
+    try:
+        with torch.enable_grad():
+            for repeat in range(repeats + 1):  # the first round warms up (oneDNN primitives, allocations)
+                for i, bf16 in enumerate((False, True)):
+                    with contextlib.ExitStack() as stack:
+                        if bf16:
+                            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+                            stack.enter_context(model.weights_cast_once())
                         start = time.perf_counter()
-                        F.linear(x, w)
+                        hidden = model.hidden(*inputs)[0]
+                        if trainable and hidden.requires_grad:
+                            torch.autograd.grad(hidden.float().sum(), trainable, allow_unused=True)
                         took = time.perf_counter() - start
                     if repeat:
-                        best[shape][i] = min(best[shape][i], took)
-    flops = sum(count * 2 * rows * n_in * n_out for (n_in, n_out), count in shapes.items())
-    seconds = [sum(count * best[shape][i] for shape, count in shapes.items()) for i in (0, 1)]
-    return flops / seconds[0] / 1e9, flops / seconds[1] / 1e9
+                        best[i] = min(best[i], took)
+    finally:
+        model.train(was_training)
+    return tokens / best[0], tokens / best[1]
 
 
 def cpu_bf16_autocast() -> bool:
@@ -129,17 +139,18 @@ def precision_cache_dir(cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir).expanduser() / "precision" if cache_dir else default_cache_dir() / "precision"
 
 
-def _cache_key(shapes: Counter) -> dict:
+def _cache_key(model: nn.Module, shapes: Counter) -> dict:
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "method": MEASURE_METHOD, "shapes": sorted([n_in, n_out, count] for (n_in, n_out), count in shapes.items())}
+            "method": MEASURE_METHOD, "shapes": sorted([n_in, n_out, count] for (n_in, n_out), count in shapes.items()),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
 def _read_decision(path: Path, key: dict) -> PrecisionChoice | None:
     """The cached decision at ``path``; None where there is none, or it is unreadable (measured again)."""
     try:
         data = json.loads(path.read_text())
-        choice = PrecisionChoice(data["precision"], f"measured before, read from {path}", float(data["fp32_gflops"]),
-                                 float(data["bf16_gflops"]))
+        choice = PrecisionChoice(data["precision"], f"measured before, read from {path}",
+                                 float(data["fp32_tokens_per_s"]), float(data["bf16_tokens_per_s"]))
         if data["key"] != key or choice.precision not in {"32-true", "bf16-mixed"}:
             raise ValueError("another key or an unknown precision")
         return choice
@@ -154,7 +165,8 @@ def _write_decision(path: Path, key: dict, choice: PrecisionChoice, seconds: flo
     """Writes the decision atomically (replacing a ``corrupt`` one); where another process wrote one
     for the same key meanwhile (a sweep's jobs starting together), theirs is kept and returned, so
     that they all agree."""
-    data = {"precision": choice.precision, "fp32_gflops": choice.fp32_gflops, "bf16_gflops": choice.bf16_gflops,
+    data = {"precision": choice.precision, "fp32_tokens_per_s": choice.fp32_tokens_per_s,
+            "bf16_tokens_per_s": choice.bf16_tokens_per_s,
             "measure_s": round(seconds, 3), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "key": key}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,9 +197,10 @@ def _write_decision(path: Path, key: dict, choice: PrecisionChoice, seconds: flo
 
 def choose_precision(model: nn.Module, device: str | torch.device, cache_dir: str | Path | None = None) -> PrecisionChoice:
     """``memory.precision=auto`` for ``model`` on ``device``. CUDA: bf16-mixed where the GPU computes
-    bf16 natively, else 32-true. A CPU: the faster of fp32 and bf16 autocast on the model's linear
-    shapes (``time_linears``), measured once per CPU model, torch thread count, torch version and
-    shapes, and kept in ``<cache>/precision/<key>.json``; a later run reads it without measuring.
+    bf16 natively, else 32-true. A CPU: the faster of fp32 and bf16 autocast on a forward and
+    backward of the model (``time_training``), measured once per CPU model, torch thread count, torch
+    version, shapes and trainable size, and kept in ``<cache>/precision/<key>.json``; a later run
+    reads it without measuring.
     Where bf16 autocast does not compute in bf16 at all, 32-true without measuring."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -201,7 +214,7 @@ def choose_precision(model: nn.Module, device: str | torch.device, cache_dir: st
     shapes = linear_shapes(model)
     if not shapes:
         return PrecisionChoice("32-true", "no linear layers to measure")
-    key = _cache_key(shapes)
+    key = _cache_key(model, shapes)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = precision_cache_dir(cache_dir) / f"{digest}.json"
     cached = _read_decision(path, key)
@@ -210,7 +223,7 @@ def choose_precision(model: nn.Module, device: str | torch.device, cache_dir: st
     corrupt = path.exists()
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     ticks, own, start = _busy_ticks(cpus), time.process_time(), time.perf_counter()
-    fp32, bf16 = time_linears(shapes)
+    fp32, bf16 = time_training(model)
     seconds = time.perf_counter() - start
     others = _others_cpu_seconds(ticks, _busy_ticks(cpus), time.process_time() - own)
     # other processes on the cores this one needs (2 threads on 2 cores while tests run): every
@@ -220,7 +233,7 @@ def choose_precision(model: nn.Module, device: str | torch.device, cache_dir: st
     if others is not None and threads > 1 and others > (len(cpus) - threads + 0.25) * seconds + 0.05:
         torch.set_num_threads(1)
         try:
-            fp32, bf16 = time_linears(shapes)
+            fp32, bf16 = time_training(model)
         finally:
             torch.set_num_threads(threads)
         log.warning("other processes kept this process's CPUs busy while the precision was measured (%.1f of %d "
