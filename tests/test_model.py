@@ -129,6 +129,41 @@ def test_hidden_runs_the_lm_without_its_head_and_the_head_reads_it(name, arch):
     torch.testing.assert_close(policy.logits(rest), full[:, 5:], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("name, arch", [
+    ("tiny", {}),
+    ("qwen", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2}),
+    ("gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 4}),
+])
+def test_the_last_mlp_at_the_read_positions_gives_their_hidden_states_and_gradients(name, arch):
+    """``hidden(read=...)`` runs the last block's MLP at the read positions only (the update's
+    forwards): there, the hidden states and every weight's gradient through them must be the full
+    forward's; the other positions must differ (the MLP was skipped, not run everywhere)."""
+    policy, tokenizer = build_policy(load_model_config(name, source="random", architecture=arch))
+    policy.train()
+    rows = [tokenizer.encode("You are in a kitchen. There is a key here, and a locked chest."),
+            tokenizer.encode("A door leads north, and a chest stands in the corner of the room.")]
+    width = min(map(len, rows))
+    ids = torch.tensor([row[:width] for row in rows])
+    positions = torch.arange(width)[None].expand_as(ids)
+    read = torch.tensor([3, 7, width - 1, width + 2, 2 * width - 1])  # flat: row x width + column
+
+    def run(read_arg):
+        policy.zero_grad()
+        hidden, _ = policy.hidden(ids, None, positions, read=read_arg)
+        at = hidden.flatten(0, 1)[read]
+        (at.square().sum() + policy.value(at).sum()).backward()
+        return hidden.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+    full, full_grads = run(None)
+    part, part_grads = run(read)
+    torch.testing.assert_close(part.flatten(0, 1)[read], full.flatten(0, 1)[read], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(part.flatten(0, 1)[0], full.flatten(0, 1)[0])
+    assert part_grads.keys() == full_grads.keys() and len(full_grads) > 4
+    for n, g in full_grads.items():
+        torch.testing.assert_close(part_grads[n], g, rtol=1e-3, atol=1e-4, msg=lambda m: f"{n}: {m}")  # sums' order
+
+
 def test_a_random_smollm2_takes_the_architecture_of_its_gguf_weights():
     """``source=random`` with no architecture builds the model's own architecture, randomly
     initialised; for SmolLM2 that architecture is in the GGUF's converted copy (no hub id)."""
