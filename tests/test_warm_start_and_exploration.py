@@ -13,7 +13,7 @@ import textrl.training.warm_start as ws
 from textrl.games.pool import EVAL_SEED_BASE, GamePool
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.distribution import fork_logprobs, mix_uniform
-from textrl.policy.model import build_policy
+from textrl.policy.model import build_policy, transformer_blocks
 from textrl.policy.trie import CommandTrie
 from textrl.ppo.sequences import training_sequences
 from textrl.rollout import Sampling, play_games
@@ -171,3 +171,34 @@ def test_no_evaluation_game_is_played_in_warm_start_or_training(tmp_path, monkey
     eval_games = {str(g) for g in result["trainer"].datamodule.eval_games}
     assert opened and sampled and eval_games <= set(greedy)
     assert not (set(opened) | set(sampled)) & eval_games
+
+
+@pytest.mark.parametrize("memory", ["none", "bf16"])
+def test_the_cloning_runs_the_frozen_blocks_once_per_sequence_and_learns_the_same_weights(tmp_path, monkeypatch,
+                                                                                          memory):
+    """Under ``ppo.cache_frozen`` the cloning records the frozen blocks' output at each sequence's first
+    forward and replays it in every later pass: the lowest block runs once per sequence (and for the
+    probability probes), not at every step, and the cloned weights are bit for bit those of running
+    every block at every step."""
+    weights, runs, made = {}, {}, []
+    real = ws.training_sequences
+    monkeypatch.setattr(ws, "training_sequences", lambda episodes: made.append(real(episodes)) or made[-1])
+    for cache in (True, False):
+        cfg = config(tmp_path / str(cache), f"memory={memory}", "model.trainable_layers=1", "warm_start.steps=6",
+                     "warm_start.games=4", "warm_start.batch=4", "ppo.minibatch_size=1",
+                     f"ppo.cache_frozen={str(cache).lower()}")
+        policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
+        calls = []
+        # its MLP: a replayed block returns the recording without running its modules (its own hooks still fire)
+        hook = transformer_blocks(policy.lm)[0].mlp.register_forward_hook(lambda *args: calls.append(1))
+        try:
+            ws.warm_start(policy, tokenizer, cfg)
+        finally:
+            hook.remove()
+        weights[cache] = {n: p.detach().clone() for n, p in policy.lm.named_parameters() if p.requires_grad}
+        runs[cache] = len(calls)
+    sequences = len(made[-1].sequences)
+    probes = 2 * min(sequences, ws.PROBE_SEQUENCES)  # before and after, one forward per sequence (ppo.minibatch_size=1)
+    assert runs[False] == 6 * 4 + probes and runs[True] == sequences + probes < runs[False]
+    assert weights[True].keys() == weights[False].keys()
+    assert all(torch.equal(weights[True][n], weights[False][n]) for n in weights[False])

@@ -40,7 +40,8 @@ from textrl.policy.device import trainer_device
 from textrl.policy.distribution import fork_logprobs
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
-from textrl.ppo.sequences import TrainingSequence, decision_forward, training_sequences
+from textrl.policy.speed import FrozenPrefix
+from textrl.ppo.sequences import PrefixOutputs, TrainingSequence, decision_forward, training_sequences
 from textrl.rollout import Episode, replay_commands
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,9 @@ def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainCo
     return kept, skipped
 
 
-def _decision_logprobs(policy: PolicyValueModel, batch: list[TrainingSequence], pad_id: int) -> torch.Tensor:
-    d = decision_forward(policy, batch, pad_id)
+def _decision_logprobs(policy: PolicyValueModel, batch: list[TrainingSequence], pad_id: int,
+                       prefix: PrefixOutputs | None = None) -> torch.Tensor:
+    d = decision_forward(policy, batch, pad_id, prefix)
     return fork_logprobs(d.logits, d.valid).gather(1, d.chosen[:, None]).squeeze(1)
 
 
@@ -114,6 +116,11 @@ def _clone_walkthroughs(policy: PolicyValueModel, sequences: list[TrainingSequen
     policy.train()
     losses, skipped, in_a_row = [], 0, 0
     scaled = getattr(fabric.strategy.precision, "scaler", None) is not None  # 16-mixed: the scaler skips them
+    # the frozen blocks' output over each sequence, recorded at its first forward and replayed by
+    # every later pass (as the PPO update replays the rollout's, ``ppo.cache_frozen``): the same
+    # tensor the blocks would compute again, so the same steps, with the frozen blocks run once
+    frozen = FrozenPrefix.of(policy.lm) if cfg.ppo.cache_frozen else None
+    prefix = PrefixOutputs(frozen, [None] * len(sequences)) if frozen is not None else None
     # a progress line about 8 times in all (every step below 16 steps): on a CPU, 256 medium
     # walkthroughs take a quarter of an hour
     report_every, started = max(1, w.steps // 8), time.perf_counter()
@@ -129,7 +136,7 @@ def _clone_walkthroughs(policy: PolicyValueModel, sequences: list[TrainingSequen
         # the step's forwards share one cast of each weight (backward under the autocast, as in the PPO update)
         with fabric.autocast(), policy.weights_cast_once():
             for i in range(0, len(batch), mb):
-                nll = -_decision_logprobs(policy, batch[i: i + mb], pad_id).float().sum() / n
+                nll = -_decision_logprobs(policy, batch[i: i + mb], pad_id, prefix).float().sum() / n
                 fabric.backward(nll)
                 total += float(nll.detach())  # for the log only
         norm = fabric.clip_gradients(policy, optimizer, max_norm=cfg.ppo.max_grad_norm, error_if_nonfinite=False)

@@ -6,8 +6,9 @@ blocks again on the same tokens, for the same result. Now the rollout's decoder 
 the last frozen block at every token it feeds (``ConstrainedDecoder.capture``), each training
 sequence takes over its tokens' recordings (``training_sequences``), and every forward of the update
 makes the frozen blocks return the recording instead of computing it: only the trainable blocks (and
-the embedding lookup, which is free) run. A sequence without a recording (the warm start's) records it
-in its first forward of the iteration. The
+the embedding lookup, which is free) run. A sequence without a recording records it in its first
+forward of the iteration; the warm start's cloning records each walkthrough sequence's in its first
+pass and replays it in the later ones. The
 recording is the frozen blocks' function of the same tokens and positions, computed with the KV
 cache: equal to a full forward's up to rounding, and the update's passes all replay the same tensor,
 so the first minibatch's ratio is still exactly 1 (``ppo.recompute_old``) -- bitwise when the passes
