@@ -10,7 +10,9 @@ the PPO epochs and optimizer steps), then stops the run. Each phase's self CPU t
   second operand, or whose output, has the shape of one of the model's linear weights: the forward
   and the input gradient, or the weight gradient), with their GFLOP/s (2 x m x k x n per product,
   from the recorded shapes);
-* ``other_matmul``: every other product (attention's scores and weighted values);
+* ``other_matmul``: every other product (attention's scores and weighted values, where attention
+  runs as products);
+* ``attention``: the fused attention kernels (SDPA's CPU flash attention), forward and backward;
 * ``softmax``, ``elementwise`` (multiplies, adds, activations, norms' pow/rsqrt/mean, the
   optimizer's fused step), ``copies`` (copy_, casts, cat, index, gather/scatter), ``fills``
   (fill_, zero_, masked_fill_), and ``other``.
@@ -39,6 +41,7 @@ from result import write_result  # bench/result.py (the script directory is on s
 
 REDUCED = ["env.num_envs=4", "env.max_steps=16"]
 CLASSES = {
+    "attention": ("scaled_dot_product", "flash_attention"),  # the fused kernels, forward and backward
     "softmax": ("softmax",),
     "fills": ("fill_", "zero_", "masked_fill"),
     "copies": ("copy_", "_to_copy", "cat", "index", "gather", "scatter", "clone", "contiguous", "stack", "narrow_copy"),
