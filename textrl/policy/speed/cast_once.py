@@ -49,7 +49,7 @@ class _CastCopy(torch.autograd.Function):
 
 
 class _Casts:
-    """The copies of the trainable weights, each with the parameter version it was cast from."""
+    """The copies of the weights a context has cast, each with the parameter version it was cast from."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
