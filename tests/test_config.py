@@ -188,11 +188,14 @@ def test_every_option_of_every_group_composes(group):
     ("ppo.gamma=1.5", "ppo.gamma=1.5 is not allowed: a number in (0, 1]"),
     ("ppo.temperature_min=2.0", "ppo.temperature_min=2.0 is not allowed"),
     ("ppo.target_kl=-0.5", "ppo.target_kl=-0.5 is not allowed: a number > 0, or null"),
+    ("ppo.value_warmup=-1", "ppo.value_warmup=-1 is not allowed: an integer >= 0"),
+    (["ppo.value_warmup=2", "ppo.advantage=rloo", "env.group_size=2"],
+     "ppo.value_warmup=2 is not allowed: an integer >= 0, and 0 unless ppo.advantage=gae"),
     ("env.keep_answers=['read cookbook']", "env.keep_answers=['read cookbook'] is not allowed: a list of single words"),
 ])
 def test_bad_values_fail_naming_key_value_and_rule(override, message):
     with pytest.raises(ConfigError) as err:
-        compose_train([override])
+        compose_train(override if isinstance(override, list) else [override])
     assert message in str(err.value)
 
 
