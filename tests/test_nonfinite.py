@@ -23,8 +23,8 @@ class NaNLoss(L.Callback):
         self.iteration, self.calls = 0, 0
         real = PPOUpdate.loss
 
-        def loss(update, minibatch, data, normalizer):
-            terms, fed = real(update, minibatch, data, normalizer)
+        def loss(update, minibatch, data, normalizer, **kw):
+            terms, fed = real(update, minibatch, data, normalizer, **kw)
             self.calls += 1
             hit = self.calls == self.first if self.only else self.calls >= self.first
             if self.iteration in self.iterations and hit:
@@ -82,3 +82,47 @@ def test_the_warm_start_skips_nan_steps_and_stops_on_too_many(tmp_path, monkeypa
     with pytest.raises(NonFiniteError, match="warm start: 3 optimizer steps in a row"):
         ws.warm_start(policy, tokenizer, cfg)
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())  # nothing reached the weights
+
+
+def scaled_update(tmp_path, easy_pool, max_skipped=3):
+    """A real rollout of 4 games and a PPO update told that an fp16 loss scaler runs
+    (``Runtime.loss_scale``), with the optimizer's steps counted and not applied (the scaler's
+    ``step`` would skip them too): (policy, update, episodes, optimizer, steps taken)."""
+    from textrl.policy.decoding import ConstrainedDecoder
+    from textrl.policy.memory import make_optimizer
+    from textrl.policy.model import build_policy
+    from textrl.ppo.update import Runtime
+    from textrl.rollout import Player, Sampling, episode_seeds, play_games
+
+    cfg = config(tmp_path, "env.max_steps=4", "ppo.grad_accum=1", f"ppo.max_skipped_steps={max_skipped}")
+    torch.manual_seed(0)
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
+    player = Player(policy, tokenizer, [ConstrainedDecoder(policy, batched=False) for _ in range(2)])
+    games = easy_pool.games("train", 4)
+    episodes, _ = play_games(player, games, cfg.env, Sampling(1.0, episode_seeds(0, 0, games)))
+    update = PPOUpdate(policy, cfg.ppo, tokenizer.pad_token_id, cfg.seed, runtime=Runtime(loss_scale=lambda: 1024.0))
+    optimizer = make_optimizer([q for q in policy.lm.parameters() if q.requires_grad],
+                               list(policy.value_head.parameters()), cfg.memory, 1e-3, 1e-3, 0.0)
+    steps = []
+    optimizer.step = lambda *a, **k: steps.append(1)
+    return policy, update, episodes, optimizer, steps
+
+
+def test_under_fp16_scaling_a_persistent_nan_loss_stops_the_update(tmp_path, easy_pool, monkeypatch):
+    # the scaler would skip these steps forever while its scale collapses: they count toward the limit
+    NaNLoss(monkeypatch, iterations={0})
+    policy, update, episodes, optimizer, steps = scaled_update(tmp_path, easy_pool)
+    with pytest.raises(NonFiniteError, match="PPO update: 3 optimizer steps in a row had a non-finite loss"):
+        update.run(episodes, 0, optimizer)
+    assert steps == []  # not one of them was handed to the optimizer
+
+
+def test_under_fp16_scaling_an_overflowed_gradient_is_the_scalers_to_skip(tmp_path, easy_pool):
+    # a finite loss whose (scaled) gradient is not finite: the step goes to the scaler, which skips it
+    # and lowers its scale; it is counted as skipped and does not stop the run
+    policy, update, episodes, optimizer, steps = scaled_update(tmp_path, easy_pool, max_skipped=1)
+    for q in policy.value_head.parameters():
+        q.register_hook(lambda g: g * float("inf"))
+    stats = update.run(episodes, 0, optimizer)
+    planned = len(update.prepare(episodes, 0).steps)
+    assert len(steps) == planned == stats.skipped_steps and stats.steps == 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,6 +27,7 @@ from textrl.policy.speed import FrozenPrefix
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.advantages import rollout_advantages
+from textrl.ppo.skipped_steps import SkippedSteps
 from textrl.ppo.losses import DecisionBatch, LossCoefs, PPOTerms, correlation, explained_variance, ppo_loss
 from textrl.ppo.sequences import (ForkOutputs, PrefixOutputs, RolloutDecisions, TrainingSequence, decision_forward,
                                   optimizer_steps, release_prefix_outputs, training_sequences)
@@ -174,7 +174,9 @@ class PPOUpdate:
         self.uses_value = ppo.advantage == "gae"  # group baselines need no value head
         self.coefs = LossCoefs(ppo.clip, ppo.vf_coef if self.uses_value else 0.0, ppo.ent_coef, ppo.kl_coef,
                                ppo.explore)
-        self.skipped_in_a_row = 0  # optimizer steps skipped for non-finite gradients, across iterations
+        self.skips = SkippedSteps(ppo.max_skipped_steps, "PPO update", "the run stops before writing a checkpoint: "
+                                  "last.ckpt holds the last finite policy. Lower ppo.lr_lm, or train in 32-true "
+                                  "(memory=none) to rule out precision")
 
     @property
     def device(self) -> torch.device:
@@ -204,17 +206,21 @@ class PPOUpdate:
                     for q in optimizer.param_groups[0]["params"]:
                         q.grad = None
                 norms = self.clip_gradients(optimizer)
-                # the step's one read on the host: its gradient norms, and with ppo.target_kl its KL
-                host = (torch.cat([norms, self.step_kl(minibatches)]) if kl_stop else norms).tolist()
-                if kl_stop and host[2] > self.ppo.target_kl * host[3]:  # mean approx_kl past the target
+                # the step's loss, summed over the ranks: a rank's non-finite loss stops every rank alike
+                loss = self.runtime.all_reduce(torch.stack([t.loss.detach().float() for t, _ in minibatches]).sum(), "sum")
+                # the step's one read on the host: its gradient norms and loss, and with ppo.target_kl its KL
+                host = torch.cat([norms, loss[None], *([self.step_kl(minibatches)] if kl_stop else [])]).tolist()
+                if kl_stop and host[3] > self.ppo.target_kl * host[4]:  # mean approx_kl past the target
                     # this step's forwards saw a policy already past the target: neither it nor any
                     # later step is taken (every rank read the same reduced sums, so all stop here)
                     optimizer.zero_grad(set_to_none=True)
                     break
-                if self.step_is_finite(host[:2]):
+                step_it, taken = self.skips.decide(host[2], host[:2], self.runtime.loss_scale() is not None)
+                if step_it:  # a non-finite loss or gradient never reaches the weights (under fp16: the scaler's skip)
                     optimizer.step()
+                if taken:
                     stats.add_step(minibatches, norms)
-                else:  # a non-finite loss or gradient never reaches the weights
+                else:
                     stats.skipped_steps += 1
                 optimizer.zero_grad(set_to_none=True)
             self.check_weights()
@@ -330,23 +336,6 @@ class PPOUpdate:
         kl = torch.stack([terms.approx_kl for terms, _ in minibatches]).sum()
         decisions = torch.full((), float(sum(terms.log_ratio.numel() for terms, _ in minibatches)), device=kl.device)
         return self.runtime.all_reduce(torch.stack([kl.float(), decisions]), "sum")
-
-    def step_is_finite(self, norms: list[float]) -> bool:
-        """Whether an optimizer step may be taken: its gradient norms (which a non-finite loss makes
-        non-finite too; after DDP's all-reduce they are the same on every rank, so all ranks decide
-        alike) are finite. Under fp16 loss scaling the scaler decides (it skips such steps and lowers
-        its scale). Too many skipped steps in a row raise ``NonFiniteError``."""
-        if self.runtime.loss_scale() is not None or all(math.isfinite(n) for n in norms):
-            self.skipped_in_a_row = 0
-            return True
-        self.skipped_in_a_row += 1
-        log.warning("optimizer step skipped: non-finite gradient norm (LM %s, value head %s)", *norms)
-        if self.skipped_in_a_row >= self.ppo.max_skipped_steps:
-            raise NonFiniteError(f"{self.skipped_in_a_row} optimizer steps in a row had a non-finite loss or "
-                                 f"gradient (ppo.max_skipped_steps={self.ppo.max_skipped_steps}); the run stops "
-                                 f"before writing a checkpoint: last.ckpt holds the last finite policy. Lower "
-                                 f"ppo.lr_lm, or train in 32-true (memory=none) to rule out precision")
-        return False
 
     def check_weights(self) -> None:
         """Non-finite weights never reach a checkpoint: checked once per iteration, before Lightning

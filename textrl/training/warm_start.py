@@ -41,6 +41,7 @@ from textrl.policy.distribution import fork_logprobs
 from textrl.policy.memory import make_optimizer
 from textrl.policy.model import PolicyValueModel
 from textrl.policy.speed import FrozenPrefix
+from textrl.ppo.skipped_steps import SkippedSteps
 from textrl.ppo.sequences import PrefixOutputs, TrainingSequence, decision_forward, training_sequences
 from textrl.rollout import Episode, replay_commands
 
@@ -114,7 +115,8 @@ def _clone_walkthroughs(policy: PolicyValueModel, sequences: list[TrainingSequen
     order: list[int] = []
     was_training = policy.training
     policy.train()
-    losses, skipped, in_a_row = [], 0, 0
+    losses, skipped = [], 0
+    skips = SkippedSteps(cfg.ppo.max_skipped_steps, "warm start", "lower warm_start.lr")
     scaled = getattr(fabric.strategy.precision, "scaler", None) is not None  # 16-mixed: the scaler skips them
     # the frozen blocks' output over each sequence, recorded at its first forward and replayed by
     # every later pass (as the PPO update replays the rollout's, ``ppo.cache_frozen``): the same
@@ -140,16 +142,10 @@ def _clone_walkthroughs(policy: PolicyValueModel, sequences: list[TrainingSequen
                 fabric.backward(nll)
                 total += float(nll.detach())  # for the log only
         norm = fabric.clip_gradients(policy, optimizer, max_norm=cfg.ppo.max_grad_norm, error_if_nonfinite=False)
-        if scaled or math.isfinite(float(norm)):
+        step_it, taken = skips.decide(total, [float(norm)], scaled)
+        if step_it:  # under fp16 a gradient overflow is the scaler's to skip
             optimizer.step()
-            in_a_row = 0
-        else:
-            skipped, in_a_row = skipped + 1, in_a_row + 1
-            log.warning("warm start: optimizer step skipped: non-finite gradient norm %s", float(norm))
-            if in_a_row >= cfg.ppo.max_skipped_steps:
-                raise NonFiniteError(f"warm start: {in_a_row} optimizer steps in a row had a non-finite loss or "
-                                     f"gradient (ppo.max_skipped_steps={cfg.ppo.max_skipped_steps}); lower "
-                                     f"warm_start.lr")
+        skipped += not taken
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
         if step % report_every == 0 or step == w.steps:
