@@ -47,3 +47,16 @@ def test_a_rank_without_games_finishes_and_gradients_sync_once_per_optimizer_ste
         assert probe["broadcast_buffers"] and not any(b.startswith("reference.") for b in probe["broadcast_buffers"])
     rows = [r for r in csv.DictReader(open(tmp_path / "logs" / "metrics.csv")) if r.get("rollout/episodes")]
     assert [float(r["rollout/episodes"]) for r in rows] == [1.0, 1.0]  # rank 0's one episode, summed
+
+
+def test_ranks_with_unequal_shares_give_the_one_process_gradient(tmp_path):
+    """Four real episodes, 3 on rank 0 and 1 on rank 1 (gloo): the all-reduced gradient of the
+    update's optimizer step equals one process's over all four (rank 1's episode weighs once, not
+    once per sequence rank 0 has more)."""
+    out = tmp_path / "gradient.json"
+    run = subprocess.run([sys.executable, "tests/ddp_gradient.py", str(out)], cwd=CONF_DIR.parent,
+                         capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["names"] and result["max_abs"] > 0
+    assert result["max_abs_diff"] <= 1e-5 * result["max_abs"]

@@ -35,8 +35,9 @@ from textrl.rollout import Episode, iteration_rng
 
 log = logging.getLogger(__name__)
 
-# a rank with no sequences of its own still runs the steps every rank runs (DDP): its minibatches
-# hold None, and their loss is a zero that reaches every trainable weight (``PPOUpdate.loss``)
+# a rank with fewer sequences than another still runs the steps every rank runs (DDP): its
+# minibatches hold None in their place, whose loss is a zero that reaches every trainable weight
+# (``PPOUpdate.loss``)
 Minibatch = list[TrainingSequence | None]
 OptimizerStep = list[Minibatch]  # the minibatches one optimizer step accumulates
 
@@ -239,7 +240,8 @@ class PPOUpdate:
         prefix = PrefixOutputs(self.frozen, rollout.prefix_outputs) if self.frozen is not None else None
         sequences = self.equalize_across_ranks(rollout.sequences)
         steps = optimizer_steps(sequences, p.minibatch_size, p.grad_accum, p.epochs, iteration_rng(self.seed, iteration))
-        first_pass = [[mb for mb in step if mb[0] is not None] for step in steps[: len(steps) // p.epochs]]
+        first_pass = [[real for mb in step if (real := [s for s in mb if s is not None])]
+                      for step in steps[: len(steps) // p.epochs]]
         coefs = self.coefs  # explore: the mixture the rollout sampled
 
         # what the rollout recorded, on the device in one copy
@@ -271,7 +273,8 @@ class PPOUpdate:
         the real tokens its forward fed. A rank with no sequences (``Minibatch``) gets a zero loss over
         every trainable weight: its backward joins the ranks' gradient all-reduce with zeros.
         ``lm_grad=False``: only the value loss has a gradient (plus that zero over the LM's weights)."""
-        if minibatch[0] is None:
+        minibatch = [s for s in minibatch if s is not None]
+        if not minibatch:
             return PPOTerms.none(self.zero_loss()), 0
         out = decision_forward(self.policy, minibatch, self.pad_id, data.prefix, lm_grad=lm_grad)
         terms = ppo_loss(self.batch(out, data.targets), data.coefs, normalizer)
@@ -357,14 +360,13 @@ class PPOUpdate:
 
     def equalize_across_ranks(self, sequences: list[TrainingSequence]) -> Minibatch:
         """DDP needs the same number of backward passes on every rank: a rank with fewer sequences
-        repeats some of its own (in order) up to the largest count, and a rank with none holds that
-        many None (``loss`` gives them a zero loss). Every rank joins the reduction, whatever its share."""
+        is filled up to the largest count with None, whose loss is a zero over every trainable weight
+        (``loss``). Every rank joins the reduction, whatever its share, and each sequence weighs once:
+        the gradient is the one a single process computes over all ranks' sequences."""
         if self.runtime.world_size() == 1:
             return sequences
         count = int(self.runtime.all_reduce(torch.tensor(len(sequences), device=self.device), "max"))
-        if not sequences:
-            return [None] * count
-        return [sequences[i % len(sequences)] for i in range(count)]
+        return [*sequences, *[None] * (count - len(sequences))]
 
     def clip_gradients(self, optimizer) -> torch.Tensor:
         """Clip the LM's and the value head's gradient norms separately, each at ``max_grad_norm``:
