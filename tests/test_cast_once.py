@@ -134,3 +134,32 @@ def test_lora_adapters_train_through_their_casts():
     grads = _grads(policy)
     assert any("lora_A" in n for n in grads) and grads.keys() == reference.keys()
     assert all(torch.equal(grads[n], g) for n, g in reference.items())
+
+
+def test_every_forward_of_a_bf16_run_computes_with_autocasts_cache_off(tmp_path, monkeypatch):
+    """Lightning 2.5 ran the whole ``training_step`` in one autocast region with the weight-cast
+    cache on: every forward after the first optimizer step reused stale bf16 weights. Made to do
+    that again here, a real bf16 run (warm start, rollouts, update, evaluation) still computes every
+    forward under autocast with the cache off."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    import textrl.cli.train as cli
+    from tests.conftest import config
+    from textrl.policy.model import PolicyValueModel
+
+    monkeypatch.setattr(MixedPrecision, "autocast_context_manager",
+                        lambda self: torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=True))
+    seen = []
+
+    def recording(forward):
+        def forward_recorded(self, *args, **kwargs):
+            seen.append((forward.__name__, torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled()))
+            return forward(self, *args, **kwargs)
+        return forward_recorded
+
+    for name in ("hidden", "hidden_packed"):  # the update's, the warm start's, the probes' and transcripts'; the rollout's
+        monkeypatch.setattr(PolicyValueModel, name, recording(getattr(PolicyValueModel, name)))
+    cli.train(config(tmp_path, "memory=bf16", "iterations=1", "eval.every=1", "warm_start.steps=2",
+                     "warm_start.games=2", "eval.before_training=false"))
+    assert {name for name, _, _ in seen} == {"hidden", "hidden_packed"}
+    assert {(autocast, cache) for _, autocast, cache in seen} == {(True, False)}

@@ -410,6 +410,12 @@ def score_commands(policy: PolicyValueModel, prompt: list[int], trie: CommandTri
     one right-padded call. With ``keep``, a prompt that extends the one ``keep`` holds feeds only
     its new tokens, and ``keep`` then holds this prompt.
     """
+    with policy.weights_cast_once():  # under autocast: each weight cast once, autocast's cache off
+        return _score_commands(policy, prompt, trie, keep)
+
+
+def _score_commands(policy: PolicyValueModel, prompt: list[int], trie: CommandTrie,
+                    keep: PromptCache | None) -> dict[str, float]:
     device = next(policy.parameters()).device
     commands = list(trie.commands)
     reuse = keep is not None and keep.cache is not None and len(prompt) > len(keep.ids) \

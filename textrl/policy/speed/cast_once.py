@@ -89,7 +89,11 @@ def _is_conv1d(module: nn.Module) -> bool:
 def weights_cast_once(lm: nn.Module, *extra: nn.Module):
     """Inside, under autocast on the weights' device, the linear layers of ``lm`` (its output
     embedding left out) and of ``extra`` (the value head) compute on weights cast to the autocast
-    dtype once (the module docstring); outside, or without autocast, nothing changes."""
+    dtype once (the module docstring); outside, or without autocast, nothing changes.
+
+    Inside, autocast's own weight-cast cache is off: it keeps one cast per weight for the whole
+    autocast region, stale once an optimizer step moves the weight (Lightning 2.5 ran the whole
+    ``training_step`` in one region with it on), and the copies here take its place."""
     first = next(lm.parameters(), None)
     device = first.device.type if first is not None else "cpu"
     if not torch.is_autocast_enabled(device):
@@ -108,8 +112,11 @@ def weights_cast_once(lm: nn.Module, *extra: nn.Module):
             continue
         module.forward = types.MethodType((_conv1d_forward if conv1d else _linear_forward)(casts), module)
         patched.append(module)
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
     try:
         yield
     finally:
+        torch.set_autocast_cache_enabled(cache)
         for module in patched:
             del module.forward
