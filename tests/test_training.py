@@ -291,3 +291,28 @@ def test_init_from_starts_a_new_run_with_exactly_the_checkpoints_policy(tmp_path
     assert float(rows[1]["optim/lr_lm"]) == pytest.approx(second["module"].cfg.ppo.lr_lm)  # a new schedule
     with pytest.raises(cli.CheckpointError, match="holds a policy of model=tiny.*this run uses model=smollm2"):
         cli.train(config(tmp_path / "third", "model=smollm2", f"model.init_from={first['last']}"))
+
+
+def test_a_job_frees_what_it_built_before_the_next_job_in_the_same_process(tmp_path, monkeypatch):
+    """Hydra's joblib launcher (sweep=gpus) runs jobs one after another in one worker process: when
+    ``run_job`` returns, its module, Trainer and optimizer are gone (not kept by a reference cycle
+    until some later collection, nor by the game engine's last parse), so that the GPU memory they
+    held can be given back."""
+    import weakref
+
+    from textrl.cli.train import run_job
+    from textrl.training.module import PPOModule
+
+    refs = []
+    fit_start = PPOModule.on_fit_start
+
+    def recording(module):  # no callback: Lightning hands callbacks the module's log methods
+        refs.extend([weakref.ref(module.trainer), weakref.ref(module), weakref.ref(module.policy)])
+        fit_start(module)
+
+    monkeypatch.setattr(PPOModule, "on_fit_start", recording)
+    for job in ("a", "b"):
+        refs.clear()
+        result = run_job(config(tmp_path / job, "iterations=1", "eval.every=1", "eval.before_training=false"))
+        assert result["metrics"] and "module" not in result
+        assert len(refs) == 3 and [r() for r in refs] == [None] * 3

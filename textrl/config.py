@@ -371,6 +371,13 @@ def _check_trainer(cfg: TrainConfig) -> None:
     _check("trainer.share_machine", t.share_machine, not t.share_machine or (t.devices == 1 and t.num_nodes == 1),
            f"true only with trainer.devices=1 and num_nodes=1 (each job takes one device; got devices={t.devices})")
     _check("threads", cfg.threads, cfg.threads is None or cfg.threads >= 1, "null or an integer >= 1")
+    # Lightning's fork-started DDP cannot start its ranks once CUDA is initialised, and a run
+    # initialises it before the Trainer starts (memory=auto's bf16 check, the warm start on the GPU)
+    forked = any(word in str(t.strategy) for word in ("ddp_fork", "ddp_notebook"))
+    on_cuda = t.accelerator in {"gpu", "cuda"} or (t.accelerator == "auto" and _cuda_available())
+    _check("trainer.strategy", t.strategy, not (forked and on_cuda),
+           "not a fork-started DDP on a GPU: textrl initialises CUDA before the Trainer starts its ranks, "
+           "which forked ranks cannot survive; use trainer=ddp (spawned ranks, as `python train.py` starts them)")
     _check("trainer.accelerator", t.accelerator, t.accelerator not in {"gpu", "cuda"} or _cuda_available(),
            "needs a CUDA GPU and none is available; on a CPU use trainer=cpu (or -m sweep=cpu for a sweep)")
     # a TrainConfig built in Python is not typed by Hydra: "false" would switch it on

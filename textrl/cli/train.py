@@ -6,21 +6,24 @@ benchmarks call directly; it is importable from here too, as ``textrl.cli.train.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
 from textrl.config import CONF_DIR, check_renamed_options, register_configs
 from textrl.errors import ConfigError, GameFaultError, GameFileError, NonFiniteError
+from textrl.games.env import release_engine_state
 from textrl.games.prompt import PromptTooLongError
 from textrl.policy.checkpoint import CheckpointError
 from textrl.policy.model import ModelNotFoundError
 from textrl.training.callbacks import Interrupted
 from textrl.training.run import train
 
-__all__ = ["USER_ERRORS", "main", "train"]
+__all__ = ["USER_ERRORS", "main", "run_job", "train"]
 
 log = logging.getLogger(__name__)
 register_configs()
@@ -30,10 +33,25 @@ USER_ERRORS = (ConfigError, ModelNotFoundError, CheckpointError, GameFileError, 
                GameFaultError)
 
 
+def run_job(cfg: DictConfig) -> dict:
+    """One ``python train.py`` job: ``train``, then everything it built freed before the job ends
+    (the module and the Trainer hold each other, so only the cycle collector frees them) and, on
+    CUDA, the caching allocator's free blocks given back. Hydra's joblib launcher (``sweep=gpus``)
+    runs the next job in the same worker process, on another GPU: nothing of this job may stay
+    reserved on this one. Returns the metrics and the run's paths."""
+    result = train(cfg)
+    result = {k: v for k, v in result.items() if k not in ("module", "trainer")}
+    release_engine_state()  # the game engine's last parse holds the frames of the run that opened a game
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return result
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _main(cfg: DictConfig) -> None:
     try:
-        result = train(cfg)
+        result = run_job(cfg)
     except USER_ERRORS as exc:  # one clear line, not a traceback
         raise SystemExit(f"error: {exc}") from None
     except Interrupted as exc:  # a signal: started again, the run resumes from its last.ckpt

@@ -46,6 +46,22 @@ from textrl.errors import GameFileError
 from textrl.games.express import borrow_engine, read_descriptor, return_engine, shut_down
 
 
+def release_engine_state() -> None:
+    """Drop what the game engines keep from the last game they opened. TextWorld's logic parser (a
+    module global, tatsu's) keeps its last parse's failed alternatives, exceptions whose tracebacks
+    hold every frame that opened the game, up to the training loop: until the next game is parsed,
+    the Trainer and the model of the run that opened it stay alive. Called when a job ends."""
+    import textworld.logic
+
+    parser = getattr(textworld.logic, "_PARSER", None)
+    if parser is None:
+        return
+    if hasattr(parser, "_furthest_exception"):
+        parser._furthest_exception = None
+    if hasattr(parser, "_clear_memoization_caches"):
+        parser._clear_memoization_caches()
+
+
 def request_infos() -> textworld.EnvInfos:
     """What textrl reads of a TextWorld state."""
     return textworld.EnvInfos(objective=True, description=True, inventory=True, admissible_commands=True,

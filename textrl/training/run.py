@@ -21,7 +21,6 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
@@ -213,28 +212,16 @@ def deterministic(on: bool):
 @contextlib.contextmanager
 def job_gpu(cfg: TrainConfig):
     """On CUDA, this job's GPU (``process_device``'s) for the whole run: current device (stray
-    allocations and the CUDA context go there, not to GPU 0), its peak-memory counter reset at the
-    start (``perf/peak_mem_gb`` is this job's peak) and the caching allocator's free blocks given
-    back at the end. Entered after the games are made: setting the device initialises CUDA.
-
-    Hydra's joblib launcher (``sweep=gpus``) runs jobs in reused loky worker processes, and its
-    launcher config offers no way not to reuse them: a reused worker keeps the CUDA context it
-    created for an earlier job, on that job's GPU (a few hundred MB there), and memory still held by
-    objects alive after the run. Nothing is done under Lightning's fork-started DDP (``ddp_fork``,
-    ``ddp_notebook``), which refuses to start its ranks once CUDA is initialised. Not tested here:
-    no GPU (read only)."""
+    allocations and the CUDA context go there, not to GPU 0) and its peak-memory counter reset at
+    the start (``perf/peak_mem_gb`` is this job's peak). Entered after the games are made: setting
+    the device initialises CUDA. The memory the run held is given back by ``textrl.cli.train.run_job``,
+    once nothing refers to it. (Fork-started DDP is refused on a GPU: ``textrl.config``.) Not tested
+    here: no GPU (read only)."""
     device = trainer_device(cfg.trainer)
-    entry = dict.get(StrategyRegistry, cfg.trainer.strategy) or {}  # its registration; .get() would build one
-    forks = entry.get("init_params", {}).get("start_method") == "fork"
-    if device.type != "cuda" or forks:
-        yield
-        return
-    torch.cuda.set_device(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    try:
-        yield
-    finally:
-        torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    yield
 
 
 def _fit(cfg: TrainConfig, trainer: L.Trainer, module: PPOModule, datamodule: RolloutDataModule, fresh: bool) -> None:
