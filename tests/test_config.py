@@ -122,9 +122,20 @@ def test_auto_precision_is_measured_on_a_cpu_and_native_bf16_on_a_gpu(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for native in (True, False):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None, n=native: (8, 0) if n else (7, 5))
         gpu = compose_train()
         assert (gpu.memory.precision, gpu.ppo.recompute_old) == (("bf16-mixed", True) if native else ("32-true", False))
+
+
+def test_auto_precision_is_judged_on_the_runs_own_gpus(monkeypatch):
+    """A machine whose GPU 0 computes bf16 natively (an A100) and GPU 1 does not (a T4): a run on
+    GPU 1 trains in 32-true, one on GPU 0 in bf16, one on both in 32-true (every rank the same)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: {0: (8, 0), 1: (7, 5)}[i])
+    for devices, precision in (("[1]", "32-true"), ("[0]", "bf16-mixed"), ("2", "32-true"), ("1", "bf16-mixed"),
+                               ("-1", "32-true")):
+        assert compose_train([f"trainer.devices={devices}"]).memory.precision == precision, devices
 
 
 def test_the_rl_alone_medium_recipe_is_its_measured_run():

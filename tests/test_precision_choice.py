@@ -106,7 +106,9 @@ def test_forced_precisions_and_cuda_are_not_measured(tiny, cache, monkeypatch, t
         cfg = resolve(cfg, model_facts(cfg, tiny[0], torch.device("cpu"), None))
         assert (cfg.memory.precision, cfg.ppo.recompute_old) == (expected, expected != "32-true")
     for native in (True, False):  # CUDA: bf16 where the GPU computes it natively, as before
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # "cuda": the current GPU's capability
+        monkeypatch.setattr(torch.cuda, "get_device_capability",
+                            lambda i=None, n=native: {1: (8, 0) if n else (7, 5), 0: (7, 5) if n else (8, 0)}[i])
         assert choose_precision(tiny[0], "cuda").precision == ("bf16-mixed" if native else "32-true")
     monkeypatch.setattr(precision, "cpu_bf16_autocast", lambda: False)  # no bf16 autocast at all: fp32
     choice = choose_precision(tiny[0], "cpu")

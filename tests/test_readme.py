@@ -185,7 +185,7 @@ def _compose_as_on_a_gpu(overrides: list[str], tmp_path, monkeypatch):
     """The same, with torch reporting one bf16-capable CUDA device: only the CUDA check is skipped."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: (8, 0))  # native bf16
     return _compose(overrides, tmp_path)
 
 

@@ -459,10 +459,10 @@ def resolve(cfg: TrainConfig, facts: Optional[ModelFacts] = None) -> TrainConfig
     cuda = _trains_on_cuda(cfg.trainer)
     precision = cfg.memory.precision
     if precision == "auto" and cuda:
-        precision = "bf16-mixed" if native_bf16(True) else "32-true"
+        precision = "bf16-mixed" if native_bf16(True, run_gpus(cfg.trainer)) else "32-true"
     elif precision == "auto" and facts is not None and facts.cpu_precision is not None:
         precision = facts.cpu_precision()
-    elif precision == "bf16-mixed" and cuda and not native_bf16(True):  # nothing refuses it
+    elif precision == "bf16-mixed" and cuda and not native_bf16(True, run_gpus(cfg.trainer)):  # nothing refuses it
         log.warning("memory.precision=bf16-mixed on a GPU without native bf16 (before Ampere): torch emulates it, "
                     "slowly; memory=fp16 (16-mixed) or memory=none (32-true) is faster there")
     recompute_old = cfg.ppo.recompute_old
@@ -520,16 +520,43 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def native_bf16(cuda: bool) -> bool:
-    """Whether the training device computes in bfloat16 natively: on CUDA, what ``memory.precision=auto``
-    follows. On a CPU (AVX512-BF16 or AMX) it is only reported (benchmarks record it): a CPU's
-    ``auto`` is measured (``textrl.policy.speed.precision.choose_precision``), since on some CPUs with
-    these flags bf16 autocast is slower than fp32.
+def gpu_indices(devices: Any) -> list[int] | None:
+    """The GPU indices ``trainer.devices`` names, as Lightning reads them: a list (``[2, 3]``, or the
+    strings ``"2,3"`` and ``"2,"``) names GPUs; a count (``2``, ``"2"``), ``-1`` or ``"auto"`` names
+    none (the ranks take ``cuda:0..n-1``): None."""
+    if isinstance(devices, str):
+        text = devices.strip()
+        if "," in text:
+            return [int(x) for x in text.split(",") if x.strip()]
+        return None  # "auto", "-1", or a count
+    if isinstance(devices, (list, tuple)) or (hasattr(devices, "__iter__") and not isinstance(devices, (bytes, int))):
+        return [int(x) for x in devices]
+    return None
+
+
+def run_gpus(t: TrainerConfig) -> list[int] | None:
+    """The GPUs a run on CUDA trains on: those ``trainer.devices`` lists, the first N for a count;
+    None (every visible one) for ``-1`` or ``auto``."""
+    listed = gpu_indices(t.devices)
+    if listed is not None:
+        return listed
+    text = str(t.devices).strip()
+    return list(range(int(text))) if text.isdigit() else None
+
+
+def native_bf16(cuda: bool, gpus: list[int] | None = None) -> bool:
+    """Whether the training device computes in bfloat16 natively: on CUDA, every GPU of ``gpus``
+    (None: every visible one) is of compute capability 8.0 (Ampere) or later; that is what
+    ``memory.precision=auto`` follows, judged on the run's own GPUs, not on GPU 0. On a CPU
+    (AVX512-BF16 or AMX) it is only reported (benchmarks record it): a CPU's ``auto`` is measured
+    (``textrl.policy.speed.precision.choose_precision``), since on some CPUs with these flags bf16
+    autocast is slower than fp32.
     """
     import torch  # slow import: see _cuda_devices
 
     if cuda:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
+        gpus = range(torch.cuda.device_count()) if gpus is None else gpus
+        return all(torch.cuda.get_device_capability(i) >= (8, 0) for i in gpus)
     cpu = torch.cpu
     return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from textrl.config import gpu_indices
+
 
 def local_rank(environ: Mapping[str, str] | None = None) -> int:
     """This process's rank on its node: ``LOCAL_RANK`` (torchrun, Lightning's launcher), else
@@ -31,20 +33,6 @@ def local_rank(environ: Mapping[str, str] | None = None) -> int:
         if env.get(key, "").strip():
             return int(env[key])
     return 0
-
-
-def gpu_indices(devices: Any) -> list[int] | None:
-    """The GPU indices ``trainer.devices`` names, as Lightning reads them: a list (``[2, 3]``, or the
-    strings ``"2,3"`` and ``"2,"``) names GPUs; a count (``2``, ``"2"``), ``-1`` or ``"auto"`` names
-    none (the ranks take ``cuda:0..n-1``): None."""
-    if isinstance(devices, str):
-        text = devices.strip()
-        if "," in text:
-            return [int(x) for x in text.split(",") if x.strip()]
-        return None  # "auto", "-1", or a count
-    if isinstance(devices, (list, tuple)) or (hasattr(devices, "__iter__") and not isinstance(devices, (bytes, int))):
-        return [int(x) for x in devices]
-    return None
 
 
 def uses_cuda(accelerator: str) -> bool:

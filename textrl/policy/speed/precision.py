@@ -204,7 +204,7 @@ def choose_precision(model: nn.Module, device: str | torch.device, cache_dir: st
     Where bf16 autocast does not compute in bf16 at all, 32-true without measuring."""
     device = torch.device(device)
     if device.type == "cuda":
-        native = native_bf16(True)
+        native = native_bf16(True, [device.index if device.index is not None else torch.cuda.current_device()])
         return PrecisionChoice("bf16-mixed" if native else "32-true",
                                "native bf16 on this GPU" if native else "no native bf16 on this GPU")
     if device.type != "cpu":
