@@ -3,7 +3,8 @@ run by tests/test_ddp.py (Lightning's launcher starts this script again for ever
 
 Each rank writes ``OUT_JSON.rank<r>``: how many gradient all-reduces DDP ran (a communication hook
 counts the first bucket of each synchronised backward), how many optimizer steps the LM's AdamW
-took (its own ``step`` state), and the names of the buffers DDP broadcasts before each forward.
+took (its own ``step`` state), the names of the buffers DDP broadcasts before each forward, and per
+iteration the training games the rank played and the curriculum's lost games after it.
 """
 
 import json
@@ -22,7 +23,7 @@ from textrl.config import CONF_DIR, to_train_config  # noqa: E402
 
 class DDPProbe(L.Callback):
     def __init__(self, out: str):
-        self.out, self.allreduces = out, 0
+        self.out, self.allreduces, self.played, self.lost = out, 0, [], []
 
     def on_train_start(self, trainer, pl_module):
         ddp = trainer.strategy.model
@@ -35,12 +36,20 @@ class DDPProbe(L.Callback):
         ddp.register_comm_hook(None, counting)
         self.broadcast = sorted(ddp.named_module_buffers)
 
+    def on_train_batch_start(self, trainer, pl_module, curriculum, batch_idx):
+        played = curriculum.games(trainer.current_epoch, trainer.global_rank, trainer.world_size)
+        self.played.append([str(g) for g in played.games])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, curriculum, batch_idx):
+        self.lost.append([str(g) for g in curriculum.lost])
+
     def on_train_end(self, trainer, pl_module):
         optimizer = trainer.optimizers[0]
         lm = optimizer.param_groups[0]["params"]
         steps = max(int(optimizer.state[p]["step"]) for p in lm if p in optimizer.state)
         Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(
-            {"allreduces": self.allreduces, "optimizer_steps": steps, "broadcast_buffers": self.broadcast}))
+            {"allreduces": self.allreduces, "optimizer_steps": steps, "broadcast_buffers": self.broadcast,
+             "played": self.played, "lost": self.lost}))
 
 
 if __name__ == "__main__":

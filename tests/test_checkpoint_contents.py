@@ -66,3 +66,33 @@ def test_frozen_weights_brought_by_init_from_are_kept_in_checkpoints(tmp_path):
     trained = run["module"].policy.state_dict()
     assert all(torch.equal(policy.state_dict()[k], trained[k]) for k in trained)
     assert OmegaConf.select(OmegaConf.create(state["textrl"]["config"]), "model.trainable_layers") == 1
+
+
+def _mapped_from(tensor: torch.Tensor, path) -> bool:
+    """Whether the tensor's memory lies in a mapping of the file ``path`` (Linux's /proc/self/maps)."""
+    address, target = tensor.untyped_storage().data_ptr(), str(path.resolve())
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= address < high:
+            return len(fields) > 5 and fields[5] == target
+    return False
+
+
+def test_checkpoints_are_read_memory_mapped_and_writing_to_them_leaves_the_file(tmp_path):
+    """Lightning's resume (``AtomicCheckpointIO.load_checkpoint``) and textrl's own reads
+    (``read_checkpoint``: resume checks, textrl-eval/play/export) map the file instead of copying it:
+    the ranks of a requeued DDP job on one node share its pages."""
+    from textrl.training.callbacks import AtomicCheckpointIO
+    from textrl.policy.checkpoint import read_checkpoint
+    path = tmp_path / "last.ckpt"
+    state = {"state_dict": {"w": torch.zeros(1 << 16)}, "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(8)}}}],
+             "textrl": {"config": {}}}
+    AtomicCheckpointIO().save_checkpoint(state, path)
+    resumed = AtomicCheckpointIO().load_checkpoint(path)
+    _, read = read_checkpoint(path)
+    for loaded in (resumed, read):
+        assert _mapped_from(loaded["state_dict"]["w"], path)
+        assert _mapped_from(loaded["optimizer_states"][0]["state"][0]["exp_avg"], path)
+    resumed["state_dict"]["w"].add_(1.0)  # an optimizer step on a loaded state: copy-on-write
+    assert load(path)["state_dict"]["w"].sum() == 0 and read["state_dict"]["w"].sum() == 0

@@ -49,6 +49,24 @@ def test_a_rank_without_games_finishes_and_gradients_sync_once_per_optimizer_ste
     assert [float(r["rollout/episodes"]) for r in rows] == [1.0, 1.0]  # rank 0's one episode, summed
 
 
+def test_ranks_replay_one_shared_list_of_lost_games(tmp_path):
+    """Two ranks, 2 of 4 games each, half of each iteration's games replays of lost ones: both ranks
+    keep the same lost list (every rank's lost games, as rank 0's checkpoint saves it), so they
+    draw the same replays and never play the same game twice in one iteration."""
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, "tests/ddp_probe.py", str(out), f"output_dir={tmp_path}", *SMALL, "memory=none",
+           "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "iterations=3", "eval.every=3",
+           "eval.games=2", "eval.train_games=0", "eval.probes=0", "eval.transcripts=0", "curriculum.replay=0.5",
+           "ppo.epochs=1", "env.max_steps=3"]
+    run = subprocess.run(cmd, cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"probe.json.rank{r}").read_text()) for r in (0, 1)]
+    assert ranks[0]["lost"] == ranks[1]["lost"] and ranks[0]["lost"][0]  # the tiny policy loses in 3 steps
+    for it, (mine, theirs) in enumerate(zip(ranks[0]["played"], ranks[1]["played"])):
+        assert len(mine) == len(theirs) == 2 and not set(mine) & set(theirs), it
+    assert set(ranks[0]["lost"][0]) <= set(ranks[0]["played"][0] + ranks[1]["played"][0])
+
+
 def test_ranks_with_unequal_shares_give_the_one_process_gradient(tmp_path):
     """Four real episodes, 3 on rank 0 and 1 on rank 1 (gloo): the all-reduced gradient of the
     update's optimizer step equals one process's over all four (rank 1's episode weighs once, not

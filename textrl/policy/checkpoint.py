@@ -30,8 +30,14 @@ class CheckpointError(ValueError):
 def load(path: str | Path) -> dict:
     """A checkpoint's contents, read with ``weights_only=True``: tensors, containers and numbers
     only, so a checkpoint from someone else cannot run code when it is opened. Lightning's own
-    entries need nothing more (pinned by tests/test_training.py)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    entries need nothing more (pinned by tests/test_training.py).
+
+    Memory-mapped (copy-on-write: writing to a tensor never changes the file): its pages are read
+    as they are copied into the model and the optimizer, and the ranks of a DDP requeue on one node
+    share them in the page cache instead of each holding the whole file in its own memory. The
+    checkpoint writer (``AtomicCheckpointIO``) renames a new file into place and never rewrites a
+    mapped one."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, dict]:

@@ -22,6 +22,7 @@ class IterationGames:
     env: EnvConfig  # the settings they are played with: env, or the stage's shown with env's prompt
     stage: int  # the curriculum stage they belong to
     replayed: int  # how many of the iteration's games (all ranks) are recently lost ones
+    every_rank: list[Path]  # the iteration's games on all ranks, in order, each once
 
 
 def stage_envs(cfg: TrainConfig, position_limit: int | None = None) -> list[EnvConfig]:
@@ -100,7 +101,7 @@ class Curriculum:
             fresh = [g for g in self.train_games if g not in replayed]
             games = replayed + rng.sample(fresh, n - len(replayed))
         mine = [g for g in games[rank::world] for _ in range(e.group_size)]
-        return IterationGames(mine, self.env, self.stage, len(replayed))
+        return IterationGames(mine, self.env, self.stage, len(replayed), games)
 
     @property
     def stage_win_rate(self) -> float | None:
@@ -109,8 +110,9 @@ class Curriculum:
         return sum(recent) / len(recent) if recent else None
 
     def record(self, win_rate: float, lost: list[str]) -> bool:
-        """An iteration's training win rate (over all ranks) and this rank's lost games (remembered for
-        replays); moves to the next curriculum stage when the stage's last ``curriculum.window`` win
+        """An iteration's training win rate and lost games, both over all ranks (the lost ones are
+        remembered for replays: every rank keeps the same list, so all ranks draw the same replays and
+        rank 0's checkpoint holds what each rank resumes with); moves to the next curriculum stage when the stage's last ``curriculum.window`` win
         rates average at least ``curriculum.threshold``. Returns whether it moved."""
         c = self.cfg.curriculum
         lost = list(dict.fromkeys(lost))  # a game of a group (env.group_size) may be lost several times

@@ -41,7 +41,7 @@ from textrl.policy.reference import ReferencePolicy
 from textrl.ppo.update import PPOUpdate, Runtime
 from textrl.results import summarize
 from textrl.rollout import Episode, Player, Sampling, check_aborted, episode_seeds, play_games
-from textrl.training.curriculum import Curriculum
+from textrl.training.curriculum import Curriculum, IterationGames
 from textrl.training.loggers import log_transcripts
 from textrl.transcripts import transcript_rows, write_transcripts
 
@@ -119,7 +119,8 @@ class PPOModule(L.LightningModule):
         episodes, aborted = self._completed(episodes, played.env.max_aborted, "training")  # game faults: left out
         outcome = self._all_ranks_metrics(episodes, "rollout")  # every rank reduces, whatever its share
         if curriculum.needs_outcomes:  # stages move on the win rate of all ranks' episodes
-            curriculum.record(outcome["rollout/win_rate"], [e.game for e in episodes if not e.won])
+            lost = self._all_ranks_lost([e.game for e in episodes if not e.won], played)
+            curriculum.record(outcome["rollout/win_rate"], lost)
         stats = self.update.run(episodes, iteration, optimizer)
         self.lr_schedulers().step()
 
@@ -271,6 +272,16 @@ class PPOModule(L.LightningModule):
         torch.distributed.all_gather_object(parts, episodes)
         order = {game_name(p): k for k, p in enumerate(self.trainer.datamodule.eval_games)}
         return sorted((e for part in parts for e in part), key=lambda e: order.get(game_name(e.game), len(order)))
+
+    def _all_ranks_lost(self, lost: list[str], played: IterationGames) -> list[str]:
+        """Every rank's lost training games of the iteration, in the order of its games on all ranks
+        (one process's order), so that every rank records the same list."""
+        if self._world_size() == 1:
+            return lost
+        parts: list = [None] * self._world_size()
+        torch.distributed.all_gather_object(parts, lost)
+        order = {str(g): k for k, g in enumerate(played.every_rank)}
+        return sorted((g for part in parts for g in part), key=lambda g: order.get(str(g), len(order)))
 
     def _write_evaluation(self, episodes: list[Episode], iteration: int) -> None:
         """``evaluation/iter_<k>.json``: the held-out evaluation after iteration k as ``textrl-eval``
