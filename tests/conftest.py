@@ -100,3 +100,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def prompts(tiny):
     return PromptBuilder(tiny[1], max_prompt_tokens=4096)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (tests/test_cuda.py; skipped without one, run by bench/gpu_check.py)")

@@ -15,7 +15,7 @@ from tests.conftest import Snapshot, config
 # fp32: rollout and update agree to 1e-4 on every decision. Under bf16 they round differently
 # (chunked KV cache vs one full forward), so the old log-probs are recomputed with the update's own
 # forward (ppo.recompute_old): the first minibatch is then the same computation again.
-RATIO_TOL = {"32-true": 1e-4, "bf16-mixed": 1e-4}
+RATIO_TOL = {"32-true": 1e-4, "bf16-mixed": 1e-4, "16-mixed": 1e-4}
 
 
 @pytest.mark.parametrize("memory, extra", [
@@ -23,6 +23,13 @@ RATIO_TOL = {"32-true": 1e-4, "bf16-mixed": 1e-4}
     ("lowmem", ["memory.precision=bf16-mixed"]),
 ])
 def test_memory_option_runs_an_iteration_and_updates(tmp_path, memory, extra):
+    check_memory_option(tmp_path, memory, extra)
+
+
+def check_memory_option(tmp_path, memory: str, extra: list[str]) -> dict:
+    """One iteration with ``memory=<memory>``: it trains what the option says, changes the weights
+    and starts the update at ratio 1 (also run on a GPU by tests/test_cuda.py). Returns the
+    iteration's metrics row."""
     cfg = config(tmp_path, f"memory={memory}", "iterations=1", "eval.every=1", *extra)
     snapshot = Snapshot()
     result = cli.train(cfg, callbacks=[snapshot])
@@ -49,6 +56,7 @@ def test_memory_option_runs_an_iteration_and_updates(tmp_path, memory, extra):
     if cfg.memory.precision == "bf16-mixed":  # recomputed: the gap it closed is logged (0 where a CPU rounds both alike)
         assert cfg.ppo.recompute_old and row.get("policy/rollout_logratio_max")
         assert 0 <= float(row["policy/rollout_logratio_max"]) < float("inf")
+    return row
 
 
 def test_lora_checkpoint_holds_adapters_and_head_only(tmp_path):

@@ -151,7 +151,11 @@ def load_tokenizer(cfg: ModelConfig, cache_dir: str | Path | None = None):
     if cfg.source == "random":
         return load_tokenizer(load_model_config(cfg.tokenizer_from), cache_dir)
     if cfg.source == "gguf":
-        tokenizer = AutoTokenizer.from_pretrained(str(_converted_gguf(cfg, cache_dir)))
+        # the converted copy's tokenizer files; a cache holding only them (bench/gpu_check.py --prepare:
+        # a machine the weights cannot be carried to) serves models that take this tokenizer, unconverted
+        cached = model_cache_dir(cache_dir) / cfg.name
+        folder = cached if (cached / "tokenizer.json").is_file() else _converted_gguf(cfg, cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
     else:
         tokenizer = _from_pretrained(AutoTokenizer, cfg, _hub_location(cfg))
     if tokenizer.pad_token_id is None:  # e.g. GPT-2; pads are always masked, so any id works
