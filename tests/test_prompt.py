@@ -109,3 +109,31 @@ def test_plain_transcript_without_a_chat_template(prompts, easy_games):
     assert tokenizer.decode(a).endswith("\n>") and obs_a.objective in tokenizer.decode(a)
     assert b[: len(a)] == a and b[len(a):].count(plain.end_id) == 1
     assert tokenizer.decode(plain.encode_command("look")) == " look"
+
+
+def test_a_turns_prompt_tokenizes_only_its_new_text_and_gives_the_same_ids(tiny, easy_games):
+    """An episode's prompt grows by one turn at a time; each earlier piece is tokenized once, not
+    again at every turn (the rollout builds every row's prompt at every turn): the text a turn sends
+    to the tokenizer stays flat as the history grows, and the ids are those of a fresh builder."""
+    tokenizer = tiny[1]
+    sent = []
+
+    class Counting:  # the real tokenizer, with the characters it is asked to encode counted
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode(self, text, **kw):
+            sent.append(len(text))
+            return tokenizer.encode(text, **kw)
+
+    builder = PromptBuilder(Counting(), max_prompt_tokens=4096)
+    env, snaps = play_some(easy_games[0], commands=["look", "inventory"] * 3 + ["look"])  # the 8 steps it allows
+    per_turn = []
+    for obs, history in snaps:
+        sent.clear()
+        ids = builder.build(obs, history)
+        per_turn.append(sum(sent))
+        assert ids == PromptBuilder(tokenizer, max_prompt_tokens=4096).build(obs, history)
+    full = len(tokenizer.decode(builder.build(*snaps[-1])))
+    assert max(per_turn[2:]) < full / 3  # the newest turn's text, not the whole transcript (8 turns)
+    assert max(per_turn[1:]) <= per_turn[0]  # flat: no later turn sends more than the first (a repeated answer: none)

@@ -59,6 +59,7 @@ class PromptBuilder:
         self.end_id = self._end_token_id()
         # Plain transcripts put commands after "> ", so they are tokenized with a leading space.
         self._command_prefix = "" if self.chat else " "
+        self._encoded: dict[str, tuple[int, ...]] = {}  # _encode's memo
 
     def _end_token_id(self) -> int:
         """The token that ends an assistant turn: the template's end-of-turn token if it is a single
@@ -81,7 +82,21 @@ class PromptBuilder:
 
     def encode_command(self, command: str) -> list[int]:
         """Command token ids without the end token (the trie adds it)."""
-        return self.tokenizer.encode(self._command_prefix + command, add_special_tokens=False)
+        return self._encode(self._command_prefix + command)
+
+    MEMO_ENTRIES = 1 << 16  # a long-lived builder (the module's, for probes) forgets past this
+
+    def _encode(self, text: str) -> list[int]:
+        """``tokenizer.encode`` of one piece of prompt text, remembered: an episode's earlier turns
+        are the same pieces at every later turn (``build`` tokenizes the prompt piece by piece), so
+        each is tokenized once per episode instead of once per turn, and a turn's tokenizing costs
+        its new text only, however long the history."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) >= self.MEMO_ENTRIES:
+                self._encoded.clear()
+            ids = self._encoded[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(ids)
 
     def trie(self, obs: Observation) -> CommandTrie:
         """The trie of an observation's admissible commands, tokenized as they follow this prompt.
@@ -121,10 +136,10 @@ class PromptBuilder:
         history = list(history)
         while True:
             pieces = self._pieces(obs, history)
-            ids = self.tokenizer.encode(pieces[0], add_special_tokens=False)
+            ids = self._encode(pieces[0])
             for turn, piece in zip(history, pieces[1:]):
                 ids += self.encode_command(turn.command) + [self.end_id]
-                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+                ids += self._encode(piece)
             if len(ids) <= self.max_prompt_tokens:
                 return ids
             if not history:
