@@ -178,7 +178,8 @@ class ConstrainedDecoder:
                 setattr(self, name, [[] for _ in slots])
             self.places = [None] * len(slots)
         elif slots != self.slots:
-            rows = [self.slots.index(s) for s in slots]
+            row_of = {s: r for r, s in enumerate(self.slots)}  # not list.index: rows x rows lookups
+            rows = [row_of[s] for s in slots]
             self.cache.select(rows)
             for name in ("fed", "held", "held_at", "drops", "captured", "places"):
                 setattr(self, name, [getattr(self, name)[r] for r in rows])

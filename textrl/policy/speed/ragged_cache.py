@@ -29,6 +29,8 @@ real tokens only. Both give the same result (tests/test_ragged_cache.py).
 
 from __future__ import annotations
 
+import itertools
+
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -109,7 +111,7 @@ class RaggedCache:
         starts, room = self.starts, self.room
         if self.kept or any(e > r for e, r in zip(ends, self.room)):  # rows dropped positions, or one outgrew its stretch
             room = [-(-(n + n // 2) // 64) * 64 for n in ends]
-            starts = [sum(room[:r]) for r in range(len(room))]
+            starts = [0, *itertools.accumulate(room)][:-1]
             parts["relayout_src"] = [s + i for r, (s, n) in enumerate(zip(self.starts, self.lengths))
                                      for i in self.kept.get(r, range(n))]
             parts["relayout_dst"] = [i for s, n in zip(starts, self.lengths) for i in range(s, s + n)]
