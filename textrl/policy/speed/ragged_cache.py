@@ -30,7 +30,6 @@ real tokens only. Both give the same result (tests/test_ragged_cache.py).
 from __future__ import annotations
 
 import itertools
-
 from contextlib import contextmanager
 from dataclasses import dataclass
 
