@@ -63,7 +63,6 @@ def recorded_configs(result_file: str):
     recorded = [without_removed_options(config) for config in recorded]
     for config in recorded:  # keys added since, at the value that plays as the runs did
         config["eval"].setdefault("temperature", None)  # no sampled evaluation beside greedy
-        config["ppo"].setdefault("value_warmup", 0)  # PPO from the first iteration
     return recorded
 
 
@@ -204,9 +203,6 @@ def test_every_option_of_every_group_composes(group):
      "trainer.strategy='ddp_fork' is not allowed: not a fork-started DDP on a GPU"),
     (["trainer.accelerator=cuda", "trainer.strategy=ddp_notebook"],
      "trainer.strategy='ddp_notebook' is not allowed: not a fork-started DDP on a GPU"),
-    ("ppo.value_warmup=-1", "ppo.value_warmup=-1 is not allowed: an integer >= 0"),
-    (["ppo.value_warmup=2", "ppo.advantage=rloo", "env.group_size=2"],
-     "ppo.value_warmup=2 is not allowed: an integer >= 0, and 0 unless ppo.advantage=gae"),
     ("env.keep_answers=['read cookbook']", "env.keep_answers=['read cookbook'] is not allowed: a list of single words"),
 ])
 def test_bad_values_fail_naming_key_value_and_rule(override, message):

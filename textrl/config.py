@@ -143,9 +143,6 @@ class PPOConfig:
     # a step with a non-finite loss or gradient is skipped; this many in a row stop the run
     max_skipped_steps: int = 3
     normalize_advantages: bool = True
-    # the first N iterations fit the value head alone on the rollouts (the LM does not move), so that
-    # GAE's first advantages come from a critic of the policy PPO starts from (a warm start's)
-    value_warmup: int = 0
     # gae (value head) | grpo | rloo | gigpo (returns compared within env.group_size episodes of a game)
     advantage: str = "gae"
     step_weight: float = 1.0  # ppo.advantage=gigpo: weight of the step-group advantage (GiGPO's omega)
@@ -338,8 +335,6 @@ def _check_ppo(p: PPOConfig, e: EnvConfig) -> None:
         _check(f"ppo.{key}", v, v > 0, "a number > 0")
     _check("ppo.advantage", p.advantage, p.advantage in ADVANTAGES, f"one of {sorted(ADVANTAGES)}")
     _check("ppo.step_weight", p.step_weight, math.isfinite(p.step_weight) and p.step_weight >= 0, "a number >= 0")
-    _check("ppo.value_warmup", p.value_warmup, p.value_warmup >= 0 and (p.value_warmup == 0 or p.advantage == "gae"),
-           "an integer >= 0, and 0 unless ppo.advantage=gae (group baselines have no value head)")
     _check("env.group_size", e.group_size, p.advantage == "gae" or e.group_size >= 2,
            f"at least 2 with ppo.advantage={p.advantage}, which compares the episodes of one game")
     for key in ["vf_coef", "ent_coef", "weight_decay", "kl_coef"]:

@@ -15,7 +15,6 @@ is where a sequence's decisions sit in them.
 
 from __future__ import annotations
 
-import contextlib
 import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -170,7 +169,7 @@ class ForkOutputs(NamedTuple):
 
 
 def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pad_id: int,
-                     prefix: PrefixOutputs | None = None, lm_grad: bool = True) -> ForkOutputs:
+                     prefix: PrefixOutputs | None = None) -> ForkOutputs:
     """One right-padded forward over the sequences: the logits of each decision's allowed tokens
     and its value. Shared by the PPO update and the warm start.
 
@@ -182,9 +181,7 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
     (``textrl.policy.speed.stream``); the others with causal attention over their padding mask.
 
     With ``prefix``, a batch whose sequences all have a recorded frozen-block output skips the
-    frozen blocks; any other batch runs in full and records it in ``prefix`` for later forwards.
-
-    ``lm_grad=False``: the LM and the logits run without a graph; only the value head's output has one."""
+    frozen blocks; any other batch runs in full and records it in ``prefix`` for later forwards."""
     device = next(policy.parameters()).device
     lengths = [len(s.input_ids) for s in batch]
     width = max(lengths)
@@ -208,24 +205,23 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
     else:
         mask, extra = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None, {}
     extra["read"] = ints["read"]
-    with contextlib.nullcontext() if lm_grad else torch.no_grad():
-        if prefix is None:
+    if prefix is None:
+        hidden, _ = policy.hidden(ids, mask, positions, **extra)
+    elif all(prefix.outputs[s.index] is not None for s in batch):
+        # zeros at the padding: causal attention keeps them out of every real position
+        recorded = torch.nn.utils.rnn.pad_sequence([prefix.outputs[s.index] for s in batch], batch_first=True)
+        with prefix.frozen.replay(recorded):
             hidden, _ = policy.hidden(ids, mask, positions, **extra)
-        elif all(prefix.outputs[s.index] is not None for s in batch):
-            # zeros at the padding: causal attention keeps them out of every real position
-            recorded = torch.nn.utils.rnn.pad_sequence([prefix.outputs[s.index] for s in batch], batch_first=True)
-            with prefix.frozen.replay(recorded):
-                hidden, _ = policy.hidden(ids, mask, positions, **extra)
-        else:
-            with prefix.frozen.record() as recorded:
-                hidden, _ = policy.hidden(ids, mask, positions, **extra)
-            output = prefix.frozen.recorded_output(recorded)
-            for r, s in enumerate(batch):
-                prefix.outputs[s.index] = output[r, : len(s.input_ids)].detach()
-        h = hidden.flatten(0, 1)[ints["at"]]
-        forks = Forks.on_device(allowed, ints)
-        logits = policy.logits_of(h, forks.index)
-    return ForkOutputs(logits, forks.valid, ints["chosen"], policy.value(h), sum(lengths), ints["decisions"])
+    else:
+        with prefix.frozen.record() as recorded:
+            hidden, _ = policy.hidden(ids, mask, positions, **extra)
+        output = prefix.frozen.recorded_output(recorded)
+        for r, s in enumerate(batch):
+            prefix.outputs[s.index] = output[r, : len(s.input_ids)].detach()
+    h = hidden.flatten(0, 1)[ints["at"]]
+    forks = Forks.on_device(allowed, ints)
+    return ForkOutputs(policy.logits_of(h, forks.index), forks.valid, ints["chosen"], policy.value(h), sum(lengths),
+                       ints["decisions"])
 
 
 def padding_mask(policy: PolicyValueModel, lengths: torch.Tensor, width: int) -> torch.Tensor:

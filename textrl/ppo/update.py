@@ -187,8 +187,7 @@ class PPOUpdate:
         """Update the policy on one rollout's episodes with ``optimizer`` (its two parameter groups:
         the LM's trainable parameters, then the value head's)."""
         stats = IterationStats(self.coefs, self.uses_value, self.device)
-        value_only = iteration < self.ppo.value_warmup  # the critic's fit before PPO: the LM does not step
-        data = self.prepare(episodes, iteration, stats, reference=not value_only)  # sequences, old log-probs, advantages
+        data = self.prepare(episodes, iteration, stats)  # sequences, old log-probs, reference, advantages
         kl_stop = self.ppo.target_kl is not None
         if kl_stop:
             stats.planned_steps = len(data.steps)
@@ -200,12 +199,9 @@ class PPOUpdate:
                     for k, minibatch in enumerate(step):
                         # gradients accumulate locally; DDP all-reduces them once, at the step's last backward
                         with self.runtime.no_sync() if k < len(step) - 1 else contextlib.nullcontext():
-                            terms, fed = self.loss(minibatch, data, normalizer, lm_grad=not value_only)
+                            terms, fed = self.loss(minibatch, data, normalizer)
                             self.runtime.backward(terms.loss)
                         minibatches.append((terms, fed))
-                if value_only:  # the LM's zero gradients (DDP's all-reduce needs them) are no step
-                    for q in optimizer.param_groups[0]["params"]:
-                        q.grad = None
                 norms = self.clip_gradients(optimizer)
                 # the step's loss, summed over the ranks: a rank's non-finite loss stops every rank alike
                 loss = self.runtime.all_reduce(torch.stack([t.loss.detach().float() for t, _ in minibatches]).sum(), "sum")
@@ -227,11 +223,9 @@ class PPOUpdate:
             self.check_weights()
         return stats
 
-    def prepare(self, episodes: list[Episode], iteration: int, stats: IterationStats | None = None,
-                reference: bool = True) -> IterationData:
+    def prepare(self, episodes: list[Episode], iteration: int, stats: IterationStats | None = None) -> IterationData:
         """Everything the optimizer steps need, fixed before the first one: the sequences and their
-        schedule, the old log-probs and values, the KL anchor's log-probs (``reference``: when the
-        LM steps), the advantages. The
+        schedule, the old log-probs and values, the KL anchor's log-probs, the advantages. The
         episodes' recordings of the frozen blocks' outputs are released once the sequences hold
         theirs (``release_prefix_outputs``)."""
         p, stats = self.ppo, stats or IterationStats(self.coefs, self.uses_value, self.device)
@@ -254,7 +248,7 @@ class PPOUpdate:
                                                             coefs.explore)
             stats.rollout_logratio_max = (old_logprobs - sampled).abs().max() if rollout.count else sampled.new_zeros(())
         ref_logprobs = None
-        if self.reference is not None and reference:
+        if self.reference is not None:
             with stats.timer.phase("reference"):
                 ref_logprobs = self.reference_logprobs(first_pass, rollout, temperatures, prefix, coefs.explore)
 
@@ -267,20 +261,15 @@ class PPOUpdate:
         targets = Targets(old_logprobs, old_values, advantages, returns, temperatures, ref_logprobs)
         return IterationData(rollout, steps, targets, prefix, coefs)
 
-    def loss(self, minibatch: Minibatch, data: IterationData, normalizer: float,
-             lm_grad: bool = True) -> tuple[PPOTerms, int]:
+    def loss(self, minibatch: Minibatch, data: IterationData, normalizer: float) -> tuple[PPOTerms, int]:
         """The minibatch's PPO loss (its share of an optimizer step of ``normalizer`` decisions) and
         the real tokens its forward fed. A rank with no sequences (``Minibatch``) gets a zero loss over
-        every trainable weight: its backward joins the ranks' gradient all-reduce with zeros.
-        ``lm_grad=False``: only the value loss has a gradient (plus that zero over the LM's weights)."""
+        every trainable weight: its backward joins the ranks' gradient all-reduce with zeros."""
         minibatch = [s for s in minibatch if s is not None]
         if not minibatch:
             return PPOTerms.none(self.zero_loss()), 0
-        out = decision_forward(self.policy, minibatch, self.pad_id, data.prefix, lm_grad=lm_grad)
-        terms = ppo_loss(self.batch(out, data.targets), data.coefs, normalizer)
-        if not lm_grad:
-            terms.loss = terms.loss + self.zero_loss()
-        return terms, out.fed
+        out = decision_forward(self.policy, minibatch, self.pad_id, data.prefix)
+        return ppo_loss(self.batch(out, data.targets), data.coefs, normalizer), out.fed
 
     def zero_loss(self) -> torch.Tensor:
         """A zero whose backward reaches every trainable weight (DDP reduces every one)."""

@@ -111,7 +111,6 @@ class PPOModule(L.LightningModule):
         temperature = temperature_at(self.cfg.ppo, iteration)
         optimizer = self.optimizers()
         lr_lm, lr_value = (g["lr"] for g in optimizer.param_groups)  # the rates this iteration uses
-        lr_lm = 0.0 if iteration < self.cfg.ppo.value_warmup else lr_lm  # the LM does not step (PPOUpdate.run)
 
         explore = self.cfg.ppo.explore  # the update trains this same mixture (PPOUpdate.prepare)
         sampling = Sampling(temperature, episode_seeds(self.cfg.seed, iteration, played.games), explore)
@@ -210,10 +209,9 @@ class PPOModule(L.LightningModule):
         optimizer = make_optimizer([q for q in self.policy.lm.parameters() if q.requires_grad],
                                    list(self.policy.value_head.parameters()), self.cfg.memory,
                                    p.lr_lm, p.lr_value, p.weight_decay)
-        warmup, floor = p.value_warmup, p.lr_lm_min / p.lr_lm
-        total = self.cfg.iterations - warmup  # the LM's schedule starts once it steps (ppo.value_warmup)
+        total, floor = self.cfg.iterations, p.lr_lm_min / p.lr_lm
         # stepped once per iteration by training_step (manual optimization: Lightning does not step it)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda it: lr_factor(max(it - warmup, 0), total, floor),
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda it: lr_factor(it, total, floor),
                                                                   lambda it: 1.0])
         return [optimizer], [scheduler]
 
