@@ -41,7 +41,6 @@ lacks (``CARRIED``). The games are made on the GPU machine (its cores).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import shutil
@@ -169,8 +168,7 @@ def iteration(overrides: list[str]):
         cfg = compose([f"output_dir={out_dir}", *ctx.model, *ITERATION, *(DRY if ctx.dry else []), *device, *overrides])
         syncs = SyncCounter()
         start = time.perf_counter()
-        with _callbacks([syncs]):
-            run_job(cfg)
+        run_job(cfg, [syncs])
         wall = time.perf_counter() - start
         with open(out_dir / "logs" / "metrics.csv") as f:
             rows = list(csv.DictReader(f))
@@ -185,18 +183,6 @@ def iteration(overrides: list[str]):
                 "eval_s": float(eval_row["perf/eval_s"]) if eval_row.get("perf/eval_s") else None,
                 "syncs_per_training_step": syncs.counts or None}
     return run
-
-
-@contextlib.contextmanager
-def _callbacks(extra: list):
-    """``run_job`` takes no callbacks: hand them to ``train`` for the one job it runs."""
-    import textrl.cli.train as cli
-    real = cli.train
-    cli.train = lambda cfg, callbacks=(): real(cfg, callbacks=[*callbacks, *extra])
-    try:
-        yield
-    finally:
-        cli.train = real
 
 
 def rollout(n: int):

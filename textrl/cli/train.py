@@ -33,13 +33,14 @@ USER_ERRORS = (ConfigError, ModelNotFoundError, CheckpointError, GameFileError, 
                GameFaultError)
 
 
-def run_job(cfg: DictConfig) -> dict:
+def run_job(cfg: DictConfig, callbacks: list = ()) -> dict:
     """One ``python train.py`` job: ``train``, then everything it built freed before the job ends
     (the module and the Trainer hold each other, so only the cycle collector frees them) and, on
     CUDA, the caching allocator's free blocks given back. Hydra's joblib launcher (``sweep=gpus``)
     runs the next job in the same worker process, on another GPU: nothing of this job may stay
-    reserved on this one. Returns the metrics and the run's paths."""
-    result = train(cfg)
+    reserved on this one. ``callbacks`` are added to the Trainer's (bench/gpu_check.py counts syncs with one).
+    Returns the metrics and the run's paths."""
+    result = train(cfg, callbacks)
     result = {k: v for k, v in result.items() if k not in ("module", "trainer")}
     release_engine_state()  # the game engine's last parse holds the frames of the run that opened a game
     gc.collect()

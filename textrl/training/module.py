@@ -266,20 +266,22 @@ class PPOModule(L.LightningModule):
         """Every rank's episodes (each rank played its share of the held-out games), in the games' order."""
         if self._world_size() == 1:
             return episodes
-        parts: list = [None] * self._world_size()
-        torch.distributed.all_gather_object(parts, episodes)
         order = {game_name(p): k for k, p in enumerate(self.trainer.datamodule.eval_games)}
-        return sorted((e for part in parts for e in part), key=lambda e: order.get(game_name(e.game), len(order)))
+        return sorted(self._gathered(episodes), key=lambda e: order.get(game_name(e.game), len(order)))
 
     def _all_ranks_lost(self, lost: list[str], played: IterationGames) -> list[str]:
         """Every rank's lost training games of the iteration, in the order of its games on all ranks
         (one process's order), so that every rank records the same list."""
         if self._world_size() == 1:
             return lost
-        parts: list = [None] * self._world_size()
-        torch.distributed.all_gather_object(parts, lost)
         order = {str(g): k for k, g in enumerate(played.every_rank)}
-        return sorted((g for part in parts for g in part), key=lambda g: order.get(str(g), len(order)))
+        return sorted(self._gathered(lost), key=lambda g: order.get(str(g), len(order)))
+
+    def _gathered(self, items: list) -> list:
+        """Every rank's ``items``, rank 0's first (``all_gather_object``: one host sync)."""
+        parts: list = [None] * self._world_size()
+        torch.distributed.all_gather_object(parts, items)
+        return [x for part in parts for x in part]
 
     def _write_evaluation(self, episodes: list[Episode], iteration: int) -> None:
         """``evaluation/iter_<k>.json``: the held-out evaluation after iteration k as ``textrl-eval``
