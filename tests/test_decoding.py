@@ -1,5 +1,6 @@
 """Constrained decoding on real games with the real tiny model."""
 
+import math
 import random
 
 import pytest
@@ -206,6 +207,62 @@ def test_scoring_the_steps_of_an_episode_with_a_kept_prompt_cache_equals_scoring
         fresh = score_commands(policy, prompt, trie)
         assert kept.keys() == fresh.keys() and all(kept[c] == pytest.approx(fresh[c], abs=1e-5) for c in fresh)
         obs = env.step(max(fresh, key=fresh.get)).observation
+
+
+@pytest.mark.parametrize("name, overrides", [("tiny", {"attn_implementation": "eager"}),
+                                             ("gpt2", {"architecture": {"n_layer": 2}}),
+                                             ("qwen", {"architecture": {"num_hidden_layers": 2}})])
+def test_scoring_feeds_each_trie_node_once_and_gives_each_commands_fresh_forward(name, overrides, easy_games):
+    """score_commands feeds the prompt, then every inner node of the trie once in one row (a tree
+    mask: no copy of the prompt per command), and reads the forks' children's logits only. Each
+    command's probability equals the product of its fork decisions from one uncached forward of
+    prompt + command, for Llama under eager attention (an additive mask), GPT-2 (learned positions)
+    and Qwen2 (GQA) alike."""
+    from textrl.config import load_model_config
+    from textrl.games.prompt import PromptBuilder
+    from textrl.policy.model import build_policy
+
+    policy, tokenizer = build_policy(load_model_config(name, source="random", **overrides))
+    policy.eval()
+    prompts = PromptBuilder(tokenizer)
+    env = TextGame(easy_games[1], 8)
+    obs = env.reset()
+    prompt, trie = prompts.build(obs, env.history), trie_for(obs, prompts)
+    calls, hidden, logits = [], policy.hidden, policy.logits
+    policy.hidden = lambda ids, *args: calls.append(tuple(ids.shape)) or hidden(ids, *args)
+    policy.logits = lambda *args: pytest.fail("the whole vocabulary's logits")
+    keep = PromptCache()
+    try:
+        probs = score_commands(policy, prompt, trie, keep)
+    finally:
+        del policy.hidden, policy.logits
+    inner = {tuple(ids[: k + 1]) for ids in trie.commands.values() for k in range(len(ids) - 1)}
+    assert calls == [(1, len(prompt)), (1, len(inner))]
+    assert len(inner) < sum(len(ids) - 1 for ids in trie.commands.values())  # shared prefixes fed once
+    assert keep.cache.get_seq_length() == len(prompt)
+    for command, ids in trie.commands.items():
+        total = 0.0
+        for k in trie.decisions(command):
+            step = type("S", (), {"prompt_ids": prompt, "action": type("A", (), {"command_ids": ids})})
+            children = trie.root
+            for token in ids[:k]:
+                children = children.children[token]
+            logp, _ = fresh_forward(policy, step, type("D", (), {"index": k, "allowed": list(children.children)}), 1.0)
+            total += float(logp[ids[k]])
+        assert probs[command] == pytest.approx(math.exp(total), abs=1e-5), command
+    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_scoring_under_an_attention_without_4d_masks_is_refused_naming_it():
+    """Flex attention's mask is a BlockMask, not the tensor the tree call needs: a clear error, not
+    the commands scored as if each saw the others."""
+    from textrl.config import load_model_config
+    from textrl.policy.decoding import tree_mask
+    from textrl.policy.model import build_policy
+
+    policy, _ = build_policy(load_model_config("tiny", attn_implementation="flex_attention"))
+    with pytest.raises(ValueError, match="model.attn_implementation is 'flex_attention'"):
+        tree_mask(policy, 5, [-1, 0, 0])
 
 
 @pytest.mark.parametrize("name, layers", [("gpt2", {"n_layer": 2}), ("qwen", {"num_hidden_layers": 2})])

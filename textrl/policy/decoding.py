@@ -35,8 +35,8 @@ rollout already computed exactly that function of the same tokens and positions.
 
 from __future__ import annotations
 
-import copy
 import itertools
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -45,7 +45,7 @@ from textrl.policy.device import PhaseTimer, ints_to_device
 from textrl.policy.distribution import Forks, entropy, fork_logprobs, fork_parts
 from textrl.policy.speed import Drop, FrozenPrefix, RaggedCache, find_cut, runs
 from textrl.policy.model import SDPA, PolicyValueModel
-from textrl.policy.trie import CommandTrie
+from textrl.policy.trie import CommandTrie, TrieNode
 
 
 @dataclass
@@ -407,9 +407,11 @@ def score_commands(policy: PolicyValueModel, prompt: list[int], trie: CommandTri
                    keep: PromptCache | None = None) -> dict[str, float]:
     """Probability (T = 1) of every command in the trie: the product of its fork decisions.
 
-    The prompt is fed once; its cache is repeated for every command, whose tokens are then fed in
-    one right-padded call. With ``keep``, a prompt that extends the one ``keep`` holds feeds only
-    its new tokens, and ``keep`` then holds this prompt.
+    The prompt is fed once. The trie's inner nodes (every token a command feeds after the prompt)
+    then go in one call, each node once, each attending to the prompt and its own ancestors only
+    (``tree_mask``): one copy of the prompt's cache, not one per command, and logits for the forks'
+    children only (``logits_of``), never the whole vocabulary. With ``keep``, a prompt that extends
+    the one ``keep`` holds feeds only its new tokens, and ``keep`` then holds this prompt.
     """
     with policy.weights_cast_once():  # under autocast: each weight cast once, autocast's cache off
         return _score_commands(policy, prompt, trie, keep)
@@ -418,7 +420,6 @@ def score_commands(policy: PolicyValueModel, prompt: list[int], trie: CommandTri
 def _score_commands(policy: PolicyValueModel, prompt: list[int], trie: CommandTrie,
                     keep: PromptCache | None) -> dict[str, float]:
     device = next(policy.parameters()).device
-    commands = list(trie.commands)
     reuse = keep is not None and keep.cache is not None and len(prompt) > len(keep.ids) \
         and prompt[: len(keep.ids)] == keep.ids
     start = len(keep.ids) if reuse else 0
@@ -426,31 +427,75 @@ def _score_commands(policy: PolicyValueModel, prompt: list[int], trie: CommandTr
     ones = torch.ones(1, len(prompt), dtype=torch.long, device=device)
     hidden, cache = policy.hidden(torch.tensor([prompt[start:]], device=device), ones,
                                   torch.arange(start, len(prompt), device=device)[None], cache)
-    first = policy.logits(hidden[:, -1])[0]
+    states = [hidden[0, -1:]]  # row 0: the state at the root, after the prompt's last token
+    inner = inner_nodes(trie)
+    if inner:  # row 1 + i: the state after inner node i
+        ids = torch.tensor([[token for _, token, _, _ in inner]], device=device)
+        positions = len(prompt) + torch.tensor([[depth for _, _, depth, _ in inner]], device=device)
+        tree, cache = policy.hidden(ids, tree_mask(policy, len(prompt), [p for *_, p in inner]), positions, cache)
+        states.append(tree[0])
+        cache.crop(-len(inner))  # the prompt's cache again, for the next prompt of the episode
     if keep is not None:
         keep.ids, keep.cache = list(prompt), cache
-        cache = copy.deepcopy(cache)  # the repeat below works in place
-    cache.batch_repeat_interleave(len(commands))
-    width = max(len(trie.commands[c]) for c in commands) - 1  # the end token is never an input
-    ids = torch.full((len(commands), max(width, 1)), policy.lm.config.pad_token_id or 0, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, c in enumerate(commands):
-        tokens = trie.commands[c][:-1]
-        ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask[i, : len(tokens)] = 1
-    positions = len(prompt) + torch.arange(ids.shape[1])[None].expand_as(ids)
-    full_mask = torch.cat([ones.expand(len(commands), -1), mask.to(device)], dim=1)
-    hidden, _ = policy.hidden(ids.to(device), full_mask, positions.to(device), cache)
-    logits = policy.logits(hidden)  # [commands, width, vocab]: logits after each command token
+    rows, forks, fork_of = [], [], {}
+    for row, node in enumerate([trie.root] + [node for node, *_ in inner]):
+        if node.is_fork:
+            fork_of[id(node)] = len(forks)
+            rows.append(row)
+            forks.append(list(node.children))
+    if not forks:  # one command: nothing to choose
+        return dict.fromkeys(trie.commands, 1.0)
+    at = Forks.on_device(forks, ints_to_device(fork_parts(forks), device))
+    logp = fork_logprobs(policy.logits_of(torch.cat(states)[rows], at.index), at.valid).tolist()
     out = {}
-    for i, c in enumerate(commands):
-        ids_c, node, total = trie.commands[c], trie.root, 0.0
-        for k, token in enumerate(ids_c):
+    for command, ids_c in trie.commands.items():
+        node, total = trie.root, 0.0
+        for token in ids_c:
             if node.is_fork:
-                row = first if k == 0 else logits[i, k - 1]
-                allowed = torch.zeros_like(row, dtype=torch.bool)
-                allowed[list(node.children)] = True
-                total += float(fork_logprobs(row, allowed)[token])
+                f = fork_of[id(node)]
+                total += logp[f][forks[f].index(token)]
             node = node.children[token]
-        out[c] = float(torch.tensor(total).exp())
+        out[command] = math.exp(total)
     return out
+
+
+def inner_nodes(trie: CommandTrie) -> list[tuple[TrieNode, int, int, int]]:
+    """Every node below the root that has children (all but the leaves the end token reaches),
+    depth first: (node, its token, its depth from 0, its parent's index here or -1 for the root)."""
+    out = []
+
+    def visit(node: TrieNode, depth: int, parent: int) -> None:
+        for token, child in node.children.items():
+            if child.children:
+                out.append((child, token, depth, parent))
+                visit(child, depth + 1, len(out) - 1)
+
+    visit(trie.root, 0, -1)
+    return out
+
+
+def tree_mask(policy: PolicyValueModel, prompt_len: int, parents: list[int]) -> torch.Tensor:
+    """The attention mask of nodes fed after a cached prompt, node i seeing the prompt, its
+    ancestors and itself (``parents[i]``: its parent's index, -1 for the root), in the format of the
+    model's attention implementation (transformers' mask interface: a bool mask for SDPA, an
+    additive one for eager)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # slow import: see load_lm
+
+    device = next(policy.parameters()).device
+    n = len(parents)
+    sees = torch.zeros(n, prompt_len + n, dtype=torch.bool)
+    sees[:, :prompt_len] = True
+    for i, p in enumerate(parents):
+        if p >= 0:
+            sees[i] = sees[p]
+        sees[i, prompt_len + i] = True
+    sees = sees.to(device)
+    config = policy.lm.config
+    implementation = config._attn_implementation
+    mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation](
+        batch_size=1, q_length=n, kv_length=prompt_len + n, mask_function=lambda b, h, q, kv: sees[q, kv],
+        allow_is_causal_skip=False, dtype=torch.float32, config=config, device=device)
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+        raise ValueError(f"scoring commands needs an attention implementation that takes a 4D mask (textrl's "
+                         f"SDPA, sdpa, eager); model.attn_implementation is {implementation!r}")
+    return mask
