@@ -147,6 +147,16 @@ def test_the_rl_alone_medium_recipe_is_its_measured_run():
         assert {k: recipe[k] for k in recorded} == recorded
 
 
+def test_the_medium_ppo_recipe_is_its_measured_run():
+    """experiment=medium_ppo_cpu is the run whose figures its file and the README give for it: the
+    recorded configs of its three seeds (medium_cpu's cloning with PPO's settings as overrides)."""
+    recipe = composed(["experiment=medium_ppo_cpu"])
+    for recorded in recorded_configs("learn_medium68_pool1024_flat32x12_default.json"):
+        assert recorded["experiment"] == "medium_cpu"  # measured as medium_cpu with overrides
+        recorded["experiment"] = "medium_ppo_cpu"
+        assert {k: recipe[k] for k in recorded} == recorded
+
+
 def test_the_medium_recipe_is_the_measured_warm_start_command():
     """bench/results/learn_medium_bc256_default.json measured medium_cpu's values as command-line
     overrides: a warm start alone on medium games (two passes over 256 training walkthroughs), every
