@@ -13,6 +13,9 @@ outcome, figures and error, if any, are recorded; a failing step does not stop t
   0 up to rounding where the update computes the rollout's function), the rollout's recompute gap,
   the phases' seconds, the job's peak GPU memory, and the host-device synchronisations of the
   training step, counted by CUDA itself (``torch.cuda.set_sync_debug_mode``).
+* ``iteration/trainer=gpu``: the same iteration under ``trainer=gpu`` (conf/trainer/gpu.yaml: 64
+  environments, games stepped on 4 worker processes, evaluation 64 games at once): what the preset
+  buys against the 16-environment iterations above (``rollout/decisions_per_s``, ``perf/rollout_s``).
 * ``rollout/<n>`` for 16, 64 and 256 environments: one sampled rollout in bf16 where the GPU has
   it (else fp32), training's decoder and grouping (one group on a GPU): decisions/s, tokens/s, model
   calls and milliseconds per call.
@@ -157,7 +160,10 @@ class SyncCounter(L.Callback):
             self._caught = None
 
 
-def iteration(overrides: list[str]):
+def iteration(overrides: list[str], sized: bool = True):
+    """One iteration; ``sized=False`` leaves the rollout's and evaluation's sizes to ``overrides`` (a preset)."""
+    base = ITERATION if sized else [o for o in ITERATION if not o.startswith(("env.num_envs=", "eval.batch="))]
+
     def run(ctx: Context) -> dict:
         import csv
 
@@ -165,7 +171,7 @@ def iteration(overrides: list[str]):
 
         out_dir = Path(tempfile.mkdtemp(dir=ctx.work, prefix="iteration-"))
         device = ["trainer.accelerator=gpu", "trainer.devices=1"] if ctx.cuda and not ctx.dry else []
-        cfg = compose([f"output_dir={out_dir}", *ctx.model, *ITERATION, *(DRY if ctx.dry else []), *device, *overrides])
+        cfg = compose([f"output_dir={out_dir}", *ctx.model, *base, *(DRY if ctx.dry else []), *device, *overrides])
         syncs = SyncCounter()
         start = time.perf_counter()
         run_job(cfg, [syncs])
@@ -242,6 +248,8 @@ def steps() -> list[Step]:
     for m in MEMORY_OPTIONS:
         out.append(Step(f"iteration/memory={m}", f"one iteration: {' '.join(ITERATION)} memory={m}",
                         iteration([f"memory={m}"]), needs="bf16" if m == "qlora" else None))
+    out.append(Step("iteration/trainer=gpu", "one iteration under the GPU preset (64 envs, 4 step workers, "
+                    "eval.batch 64), against iteration/32-true's 16 envs", iteration(["trainer=gpu"], sized=False)))
     for n in ROLLOUT_ENVS:
         out.append(Step(f"rollout/{n}", f"one sampled rollout of {n} easy environments", rollout(n), on_cpu=n == 16))
     out.append(Step("ddp", "one iteration on every visible GPU (trainer=ddp trainer.devices=-1)", ddp, needs="gpus>1"))

@@ -175,6 +175,18 @@ def test_the_medium_recipe_is_the_measured_warm_start_command():
     assert OmegaConf.to_container(recipe) == OmegaConf.to_container(measured)
 
 
+def test_the_gpu_preset_sizes_the_rollout_per_gpu_and_scales_with_the_gpus():
+    """trainer=gpu: 64 envs decoded on each GPU (the ranks split env.num_envs), games stepped on
+    workers (so two decode groups overlap stepping and decoding), 64 evaluation games at once."""
+    on_cpu = ["trainer=gpu", "trainer.accelerator=cpu"]  # the sizes, composed where no GPU is
+    cfg = compose_train(on_cpu)
+    assert (cfg.env.num_envs, cfg.env.step_workers, cfg.eval.batch) == (64, 4, 64)
+    assert compose_train([*on_cpu, "trainer.devices=4", "trainer.strategy=ddp"]).env.num_envs == 256
+    assert compose_train([*on_cpu, "trainer.devices=[0,2]", "trainer.num_nodes=2"]).env.num_envs == 256
+    assert compose_train([*on_cpu, "env.num_envs=32"]).env.num_envs == 32  # a given size wins
+    assert compose_train(["trainer.accelerator=cpu"]).env.num_envs == 16  # the CPU default is untouched
+
+
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_option_of_every_group_composes(group):
     found = options(group)
@@ -185,7 +197,7 @@ def test_every_option_of_every_group_composes(group):
             with pytest.raises(ConfigError, match="needs a CUDA GPU and none is available; on a CPU use memory="):
                 compose_train([f"{group}={option}"])
             continue
-        if group == "sweep" and option == "gpus" and not torch.cuda.is_available():
+        if (group, option) in {("sweep", "gpus"), ("trainer", "gpu")} and not torch.cuda.is_available():
             with pytest.raises(ConfigError, match="trainer.accelerator='gpu' is not allowed: needs a CUDA GPU"):
                 compose_train([f"{group}={option}"])
             continue

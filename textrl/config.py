@@ -260,12 +260,22 @@ def register_configs() -> None:
     # conf/sweep/gpus.yaml: one job per GPU torch sees (at least 1, so that a mistaken use on a
     # machine without GPUs fails at the job's accelerator check, not in joblib)
     OmegaConf.register_new_resolver("textrl_cuda_devices", _cuda_devices, replace=True)
+    # conf/trainer/gpu.yaml: environments per GPU, times the GPUs the run trains on
+    OmegaConf.register_new_resolver("textrl_per_gpu", _per_gpu, replace=True)
 
 
 def _cuda_devices() -> int:
     import torch  # slow import: composing and checking a config needs torch only to ask about devices
 
     return max(torch.cuda.device_count(), 1)
+
+
+def _per_gpu(n: int, *, _root_) -> int:
+    """``n`` for every GPU the run trains on: ``trainer.devices`` (a count or a list; every visible
+    GPU for ``-1``/``auto``) on each of ``trainer.num_nodes`` nodes. The ranks split ``env.num_envs``
+    between them (``Curriculum.games``), so each GPU decodes ``n`` rows whatever the world size."""
+    gpus = run_gpus(_root_.trainer)
+    return n * (len(gpus) if gpus is not None else _cuda_devices()) * int(_root_.trainer.num_nodes)
 
 
 def default_cache_dir() -> Path:
