@@ -15,7 +15,8 @@ overrides) and plots their curves with bands. Games and the converted model are 
 the clock starts; ``minutes`` is the subprocess's wall time (model loading included).
 
 Each file records the resolved precision, whether the CPU computes bf16 natively, the torch version
-and the machine: compare minutes only between files measured on the same machine.
+and the machine of its last invocation, and each run its own (seeds added in another session may
+have run on another CPU kind, in another precision): compare minutes only between runs on the same machine.
 
 Time to a learned policy: each run records ``eval_minutes`` ([iteration, minutes since the run
 started, held-out eval/win_rate] at the end of each evaluation) and ``minutes_to_win_rate``, the
@@ -62,7 +63,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from compose import composed, train_config  # bench/compose.py
-from result import command, write_result  # bench/result.py (the script directory is on sys.path)
+from result import command, cpu_model, write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import native_bf16
 from textrl.policy.model import load_tokenizer
 from textrl.training.datamodule import RolloutDataModule
@@ -381,6 +382,7 @@ def main(argv=None):
             minutes = sum(s["seconds"] for s in sessions) / 60
             run = {"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
                    "commit": commit, "resolved": config,
+                   "precision": precision, "cpu": cpu_model(), "cpu_native_bf16": native_bf16(False),
                    "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
                    **summarize_run(run_dir, [(s["started"], s["seconds"]) for s in sessions], minutes)}
             if len(sessions) > 1:  # resumed: where each stretch ran (the run's commit is the last one's)
