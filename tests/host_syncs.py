@@ -74,6 +74,8 @@ class HostSyncs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # FlexAttention's kernel being traced (the batched layout): its
+            return func(*args, **kwargs)  # ops run on the device, and dynamo cannot trace the bookkeeping
         name = getattr(func, "__name__", "")
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         from_device = any(self._is_on_device(t) for t in _tensors((args, kwargs)))

@@ -40,14 +40,17 @@ def feed(policy, cache, fed, chunks):
 
 def poison_room(cache):
     """NaN at every buffer position no row holds (the buffers are left uninitialised there): a call
-    that read any of it would give NaN hidden states."""
+    that read any of it would give NaN hidden states. The batched layout reads whole key blocks
+    (weighing positions outside a row by 0) from zero-filled buffers: a large finite value there,
+    which a call that attended to any of it would not return unchanged."""
+    assert not cache.batched or all(b.isfinite().all() for store in (cache.keys, cache.values) for b in store.values())
     held = torch.zeros(cache.capacity, dtype=torch.bool)
     for start, length in zip(cache.starts, cache.lengths):
         held[start:start + length] = True
     assert not held.all()  # there is room to poison
     for store in (cache.keys, cache.values):
         for buffer in store.values():
-            buffer[:, ~held] = float("nan")
+            buffer[:, ~held] = 1e4 if cache.batched else float("nan")
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["per-row", "batched"])

@@ -21,10 +21,14 @@ its own stretch.
 Attention per row is one call per row and layer (``textrl.policy.speed.cpu_attention.attend``: SDPA, or
 in bf16 where this CPU runs them faster, plain matrix products): on a CPU, the cheapest (no padded
 query or key is computed at all). On a GPU that is many small kernels for a wide batch, so there
-(``batched``) the rows' queries and keys are gathered into one padded batch with a mask, one SDPA
-call per layer, and the output packed again: the padding then costs attention only (the gathered
-copies, the mask, the padded FLOPs; not measured, no GPU here), while the linear layers still see
-real tokens only. Both give the same result (tests/test_ragged_cache.py).
+(``batched``) one FlexAttention call per layer reads the cache in place: the rows' queries padded
+to the call's widest row form the batch, the key and value buffers are one batch broadcast to all
+rows (no copy, the key/value heads not repeated: ``enable_gqa``), and a block mask built from the
+rows' stretches (``row_block_mask``) gives each row only the key blocks of its own stretch, masked
+within them to its causal positions. The kernel reads whole blocks, so a block's positions outside
+the row get a weight of 0: in this layout the buffers are zero-filled when allocated (``0 * NaN``
+would be NaN). Compiled on CUDA (``flex``), eager elsewhere (the tests' CPU check). Both layouts
+give the same result (tests/test_ragged_cache.py).
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from textrl.policy.speed.cpu_attention import attend
 from textrl.policy.device import ints_to_device
 
+KV_BLOCK = 128  # FlexAttention's key block: a row attends to the blocks its stretch touches
 RAGGED = "textrl_ragged"  # the attention implementation a call runs under while it feeds a RaggedCache
 # attention arguments some architectures pass that change what attention computes (Mistral's and
 # Gemma's sliding windows, Gemma 2's logit soft-capping, attention sinks, T5-style biases)
@@ -55,7 +60,6 @@ class CallLayout:
     room: list[int]
     spans: list[tuple[int, int, int, int]]  # per row fed: its queries q0:q1 in the call, its keys k0:k1
     width: int  # the most tokens a row is fed
-    longest: int  # the longest row after the call
     parts: dict[str, list[int]]  # the indices the call needs on the device
 
 
@@ -121,12 +125,11 @@ class RaggedCache:
         # queries offsets[r]:offsets[r+1] attend to keys starts[r]:starts[r]+ends[r]
         spans = [(offsets[r], offsets[r + 1], starts[r], starts[r] + ends[r]) for r, k in enumerate(new) if k]
         width = max((q1 - q0 for q0, q1, _, _ in spans), default=0)
-        longest = max((k1 - k0 for _, _, k0, k1 in spans), default=0)
         if self.batched and spans:
             parts["q0"], parts["n"] = [q0 for q0, _, _, _ in spans], [q1 - q0 for q0, q1, _, _ in spans]
             parts["k0"], parts["length"] = [k0 for _, _, k0, _ in spans], [k1 - k0 for _, _, k0, k1 in spans]
             parts["packed"] = [b * width + i for b, (q0, q1, _, _) in enumerate(spans) for i in range(q1 - q0)]
-        return CallLayout(new, ends, starts, room, spans, width, longest, parts)
+        return CallLayout(new, ends, starts, room, spans, width, parts)
 
     @contextmanager
     def feeding(self, call: "CallLayout | list[int]", ints: dict[str, torch.Tensor] | None = None):
@@ -142,7 +145,7 @@ class RaggedCache:
                 for layer, old in store.items():
                     # uninitialised: every position a call reads is written first (kept rows here, new tokens in
                     # ``append``); the room to grow is never read (tests/test_ragged_cache.py fills it with NaN)
-                    moved = old.new_empty(old.shape[0], sum(call.room), old.shape[2])
+                    moved = self._buffer(old, old.shape[0], sum(call.room), old.shape[2])
                     moved[:, ints["relayout_dst"]] = old[:, ints["relayout_src"]]
                     store[layer] = moved
             self.capacity = sum(call.room)
@@ -163,17 +166,20 @@ class RaggedCache:
         self.lengths = call.ends
 
     def _padded_layout(self, call: "CallLayout", ints: dict[str, torch.Tensor]) -> dict:
-        """Index tensors that gather the call's rows into one padded batch and back (``batched``),
-        computed on the device from the rows' sizes: a padded query repeats its row's last one (its
-        output is dropped) and a padded key its row's last position (masked), so every index is
-        real and no query row is fully masked."""
-        q0, n, k0, length = ints["q0"], ints["n"], ints["k0"], ints["length"]
+        """The call's queries gathered into one padded batch and back (``batched``), and its block
+        mask, computed on the device from the rows' sizes: a padded query repeats its row's last one
+        (its output is dropped), so no query row is fully masked."""
+        q0, n = ints["q0"], ints["n"]
         i = torch.minimum(torch.arange(call.width, device=self.device)[None], n[:, None] - 1)  # [rows, width]
-        j = torch.arange(call.longest, device=self.device)[None]  # [1, longest]
-        # bottom-right causal: query i of a row's n sees its first length - n + i + 1 keys
-        mask = j[:, None] <= (i + (length - n)[:, None])[:, :, None]  # [rows, width, longest]
-        return {"q_index": q0[:, None] + i, "kv_index": k0[:, None] + torch.minimum(j, length[:, None] - 1),
-                "mask": mask[:, None], "packed": ints["packed"]}
+        return {"q_index": q0[:, None] + i, "packed": ints["packed"],
+                "block_mask": row_block_mask(ints["k0"], ints["length"], n, call.width, self.capacity)}
+
+    def _buffer(self, like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A key or value buffer. Uninitialised in the per-row layout, which reads only positions
+        written first (tests/test_ragged_cache.py fills the rest with NaN); zeros in the batched one,
+        whose kernel reads whole key blocks and weighs the positions outside a row by 0."""
+        make = like.new_zeros if self.batched else like.new_empty
+        return make(*shape, dtype=dtype or like.dtype)
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the call's new keys and values ``[kv heads, tokens, head dim]`` into the rows' stretches."""
@@ -183,8 +189,8 @@ class RaggedCache:
             # A cache lives within one autocast context: one rollout, one evaluation
             device = key.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key.dtype
-            self.keys[layer] = key.new_empty(key.shape[0], self.capacity, key.shape[2], dtype=dtype)
-            self.values[layer] = value.new_empty(value.shape[0], self.capacity, value.shape[2], dtype=dtype)
+            self.keys[layer] = self._buffer(key, key.shape[0], self.capacity, key.shape[2], dtype=dtype)
+            self.values[layer] = self._buffer(value, value.shape[0], self.capacity, value.shape[2], dtype=dtype)
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(1, self._call["dest"], key.to(keys.dtype))
         values.index_copy_(1, self._call["dest"], value.to(values.dtype))
@@ -209,17 +215,52 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     query = query.to(keys.dtype)  # what autocast does to it anyway; without autocast, the same dtype
     if ragged.batched:
         b, width = call["q_index"].shape
-        q = query[0][:, call["q_index"].flatten()].unflatten(1, (b, width)).transpose(0, 1)
-        k = keys[:, call["kv_index"].flatten()].unflatten(1, call["kv_index"].shape).transpose(0, 1)
-        v = values[:, call["kv_index"].flatten()].unflatten(1, call["kv_index"].shape).transpose(0, 1)
-        if groups > 1:  # CUDA's masked kernels take no grouped heads (see model.sdpa_attention)
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=call["mask"], scale=scaling)
+        q = query[0][:, call["q_index"].flatten()].unflatten(1, (b, width)).transpose(0, 1)  # [rows, heads, width, dim]
+        # the buffers as one batch that every row's queries broadcast over: read in place
+        out = flex(q.device)(q, keys[None], values[None], block_mask=call["block_mask"], scale=scaling,
+                             enable_gqa=groups > 1)
         return out.transpose(1, 2).flatten(0, 1)[call["packed"]][None], None  # [1, tokens, heads, dim]
     outs = []
     for (q0, q1, k0, k1), mask in zip(call["spans"], call["masks"]):
         outs.append(attend(query[:, :, q0:q1], keys[None, :, k0:k1], values[None, :, k0:k1], scaling, mask))
     return torch.cat(outs, dim=2).transpose(1, 2), None
+
+
+def row_block_mask(k0: torch.Tensor, length: torch.Tensor, n: torch.Tensor, width: int, capacity: int) -> BlockMask:
+    """FlexAttention's mask for one batched call: batch row b is the cache row whose stretch starts
+    at ``k0[b]`` and holds ``length[b]`` positions after the call, ``n[b]`` of them new; its query i
+    (``i >= n[b]``: padding, repeating the last) sees positions ``k0[b]`` to ``k0[b] + length[b] -
+    n[b] + i`` of the buffers (bottom-right causal). Only the key blocks the stretch touches are
+    listed, so the kernel skips every other row's; built from the sizes, on their device, without
+    evaluating the mask over the whole buffer."""
+    rows, device = k0.shape[0], k0.device
+    blocks = -(-capacity // KV_BLOCK)
+    first, last = k0 // KV_BLOCK, (k0 + length - 1) // KV_BLOCK
+    q_blocks = -(-width // KV_BLOCK)
+    indices = torch.clamp(first[:, None] + torch.arange(blocks, device=device)[None], max=blocks - 1)
+    kv_num_blocks = (last - first + 1)[:, None, None].expand(rows, 1, q_blocks).to(torch.int32).contiguous()
+    kv_indices = indices[:, None, None, :].expand(rows, 1, q_blocks, blocks).to(torch.int32).contiguous()
+    last_seen = k0 + length - n  # what query 0 sees last
+
+    def mask_mod(b, h, q, kv):
+        return (kv >= k0[b]) & (kv <= last_seen[b] + torch.minimum(q, n[b] - 1))
+
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(KV_BLOCK, KV_BLOCK), mask_mod=mask_mod,
+                                    seq_lengths=(width, capacity), compute_q_blocks=False)
+
+
+_compiled_flex = None
+
+
+def flex(device: torch.device):
+    """FlexAttention for the batched layout: compiled on CUDA (eager, it would compute every key of
+    the buffers for every query), eager elsewhere, where only the tests run it."""
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:  # the call's widths and the buffers' length change from call to call
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
 
 
 @contextmanager
