@@ -62,3 +62,35 @@ def test_auto_precision_asks_the_gpus_the_run_trains_on(tmp_path):
     gpus = run_gpus(config(tmp_path, *GPU).trainer)
     assert gpus == [0]
     assert native_bf16(True, gpus) == (torch.cuda.get_device_capability(0) >= (8, 0))
+
+
+@torch.no_grad()
+def test_the_batched_layout_computes_on_the_gpu_what_each_row_computes_alone(tiny, prompts, easy_games):
+    """The compiled FlexAttention path of the rollout's batched layout (``ragged_attention``: the
+    cache read in place, a block mask of each row's own blocks) against each row fed alone, fp32,
+    through a relayout, a row fed nothing and single-token calls."""
+    import copy
+
+    from tests.test_ragged_cache import real_prompts
+    from textrl.policy.speed.ragged_cache import RaggedCache
+
+    policy = copy.deepcopy(tiny[0]).cuda()
+    texts = real_prompts(prompts, easy_games, 12)
+    rows = [sum(texts[r::3], []) for r in range(3)]
+    cache = RaggedCache(3, "cuda", batched=True)
+    fed = [[], [], []]
+    got = [[], [], []]
+    for sizes in [[40, 7, 90], [60, 0, 1], [1, 2, 1], [150, 180, 30]]:
+        chunks = [rows[r][len(fed[r]):len(fed[r]) + k] for r, k in enumerate(sizes)]
+        ids = torch.tensor([[t for c in chunks for t in c]], device="cuda")
+        positions = torch.tensor([[k for f, c in zip(fed, chunks) for k in range(len(f), len(f) + len(c))]], device="cuda")
+        hidden = policy.hidden_packed(ids, positions, cache, [len(c) for c in chunks])[0]
+        offset = 0
+        for r, c in enumerate(chunks):
+            got[r].append(hidden[offset:offset + len(c)])
+            offset += len(c)
+            fed[r].extend(c)
+    for r in range(3):
+        ids = torch.tensor([fed[r]], device="cuda")
+        alone, _ = policy.hidden(ids, torch.ones_like(ids), torch.arange(len(fed[r]), device="cuda")[None])
+        assert torch.allclose(torch.cat(got[r]), alone[0], atol=1e-4)

@@ -26,7 +26,8 @@ def test_the_dry_run_lists_every_step_and_runs_the_cpu_runnable_ones(tmp_path):
     result = json.loads(out.read_text())
     assert result["dry_run"] and result["failed"] == [] and "command" in result
     assert list(result["steps"]) == [s.name for s in gpu_check.steps()]
-    for name in ("iteration/bf16-mixed", "iteration/16-mixed", "iteration/memory=qlora", "rollout/256", "ddp"):
+    for name in ("iteration/bf16-mixed", "iteration/16-mixed", "iteration/memory=qlora", "iteration/trainer=gpu",
+                 "rollout/256", "ddp"):
         assert result["steps"][name]["status"] == "listed (runs on a GPU)"
     tests = result["steps"]["cuda_tests"]
     assert tests["counts"]["skipped"] == len(tests["tests"]) >= 10  # every CUDA test collected, none runs here
