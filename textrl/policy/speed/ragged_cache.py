@@ -143,8 +143,8 @@ class RaggedCache:
         if "relayout_src" in ints:  # rows moved to their new stretches
             for store in (self.keys, self.values):
                 for layer, old in store.items():
-                    # uninitialised: every position a call reads is written first (kept rows here, new tokens in
-                    # ``append``); the room to grow is never read (tests/test_ragged_cache.py fills it with NaN)
+                    # kept rows copied here, new tokens in ``append``; the room to grow is never attended
+                    # (``_buffer``: uninitialised per row, zeros in the batched layout, which reads whole blocks)
                     moved = self._buffer(old, old.shape[0], sum(call.room), old.shape[2])
                     moved[:, ints["relayout_dst"]] = old[:, ints["relayout_src"]]
                     store[layer] = moved
