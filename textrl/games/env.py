@@ -145,7 +145,7 @@ def drop_oldest(history: list[Turn], count: int, verbs: Sequence[str] = ()) -> N
 class StepResult:
     observation: Observation
     reward: float
-    terminated: bool  # won or lost: no value to bootstrap
+    terminated: bool  # won, lost, no command left, or a training budget's cut: no value to bootstrap
     truncated: bool  # step limit reached
     info: dict = field(default_factory=dict)
 
@@ -328,7 +328,8 @@ class Game:
         self.walkthrough = list(walkthrough)
         self.limit = self.max_steps
         if self.budget is not None and self.walkthrough:  # no walkthrough, no budget: the game's own limit
-            self.limit = min(self.max_steps, math.ceil(self.budget * len(self.walkthrough)))
+            # less a rounding error: 1.1 x 50 is 55.00000000000001 in floats, and its ceiling 56
+            self.limit = min(self.max_steps, math.ceil(self.budget * len(self.walkthrough) - 1e-9))
         self.history.clear()
         self._answer_to = ""  # the last command played: the next turn's observation answers it
         self._played.clear()
@@ -375,8 +376,9 @@ class Game:
 
     def _lost_cost(self) -> float:
         """What the losing step costs beyond its own step penalty: ``loss_penalty`` and the penalty of
-        the steps left to ``max_steps`` (the module docstring says why)."""
-        return self.loss_penalty + self.step_penalty * (self.max_steps - self.steps)
+        the steps left to the episode's limit (``max_steps``, or a training budget's cut; the module
+        docstring says why)."""
+        return self.loss_penalty + self.step_penalty * (self.limit - self.steps)
 
 
 class TextGame(Game):
