@@ -14,7 +14,8 @@ once and lose). An episode ends when the game is won or lost
 ``max_steps`` commands (``truncated``). A training ``budget`` (``ppo.step_budget``) ends it sooner,
 after ``budget`` times the walkthrough's length in commands (if that is below ``max_steps``), as
 ``terminated`` and not won: Meow-Tea-Taro's exploration budget, where a loop cannot win (the step
-limit of the game itself, which evaluation plays to, is a cut the value bootstraps over). A game that offers no admissible command after a step ends
+limit of the game itself, which evaluation plays to, is a cut the value bootstraps over); a loss
+then costs the steps left to that cut. A game that offers no admissible command after a step ends
 the episode there, ``terminated`` though neither won nor lost: no command, hence no future reward,
 can follow (a game with none at its start cannot be played: ``textrl.rollout`` aborts it). A command
 that is not admissible is refused before it reaches the game.
