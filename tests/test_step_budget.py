@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import textrl.cli.train as cli
+import textrl.training.module as module
 from textrl.config import load_env_config, load_model_config
 from textrl.errors import ConfigError
 from textrl.games.env import open_game
@@ -80,8 +81,17 @@ def test_a_sampled_rollout_with_a_budget_is_cut_at_it_in_process_and_on_workers(
     assert max(e.length for e in whole) > max(len(e.walkthrough) for e in whole)  # no budget: it plays on
 
 
-def test_training_rollouts_are_cut_and_the_evaluation_plays_to_max_steps(tmp_path):
+def test_training_rollouts_are_cut_and_the_evaluation_plays_to_max_steps(tmp_path, monkeypatch):
+    budgets = {"sampled": set(), "greedy": set()}  # what each kind of play_games call was given
+    real_play = module.play_games
+
+    def play_games(player, games, env, sampling=None, budget=None):
+        budgets["greedy" if sampling is None else "sampled"].add(budget)
+        return real_play(player, games, env, sampling, budget)
+
+    monkeypatch.setattr(module, "play_games", play_games)
     run = cli.train(config(tmp_path, "iterations=1", "ppo.step_budget=1", "eval.before_training=false"))
+    assert budgets == {"sampled": {1.0}, "greedy": {None}}  # the training rollout, the evaluation
     rollouts = [r for r in read_metrics(run["run_dir"]) if r["rollout/episode_len"]]
     longest = 0
     for path in GamePool("easy").games("train", 8):  # the run's pool (env.pool_size=8)
