@@ -203,7 +203,8 @@ class Player:
 def play_games(player: Player, games: list[Path], env: EnvConfig, sampling: Sampling | None = None,
                budget: float | None = None) -> tuple[list[Episode], RolloutStats]:
     """Open ``games`` with ``env``'s settings, play one episode each (sampled with ``sampling``,
-    greedy without; cut by a training ``budget``, ``ppo.step_budget``: ``textrl.games.env``), close them. The one function training rollouts, evaluation, ``textrl-eval``
+    greedy without; cut by a training ``budget``, ``ppo.step_budget``: ``textrl.games.env``), close
+    them. The one function training rollouts, evaluation, ``textrl-eval``
     and the benchmarks play through: the policy in eval mode (gradient checkpointing and dropout
     act in train mode only) under its autocast, with its weights cast to the autocast dtype once
     for the rollout instead of at every call (``PolicyValueModel.weights_cast_once``)."""
