@@ -63,7 +63,6 @@ def recorded_configs(result_file: str):
     recorded = [without_removed_options(config) for config in recorded]
     for config in recorded:  # keys added since, at the value that plays as the runs did
         config["eval"].setdefault("temperature", None)  # no sampled evaluation beside greedy
-        config["ppo"].setdefault("step_budget", None)  # rollouts cut at env.max_steps
     return recorded
 
 

@@ -161,9 +161,9 @@ def test_no_evaluation_game_is_played_in_warm_start_or_training(tmp_path, monkey
         opened.append(str(game))
         return real_open(game, env)
 
-    def play_games(player, games, env, sampling=None, budget=None):
+    def play_games(player, games, env, sampling=None):
         (greedy if sampling is None else sampled).extend(str(g) for g in games)
-        return real_play(player, games, env, sampling, budget)
+        return real_play(player, games, env, sampling)
 
     monkeypatch.setattr(ws, "open_game", open_game)
     monkeypatch.setattr(module, "play_games", play_games)

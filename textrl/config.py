@@ -159,10 +159,6 @@ class PPOConfig:
     temperature: float = 1.0  # initial sampling temperature
     temperature_decay: float = 0.995  # per iteration
     temperature_min: float = 0.5
-    # training rollouts end an episode, not won, after this many times its walkthrough's length in
-    # commands (Meow-Tea-Taro's exploration budget: a loop cannot win); None: at env.max_steps.
-    # Evaluation always plays to env.max_steps.
-    step_budget: Optional[float] = None
 
 
 @dataclass
@@ -354,8 +350,6 @@ def _check_ppo(p: PPOConfig, e: EnvConfig) -> None:
     for key in ["vf_coef", "ent_coef", "weight_decay", "kl_coef"]:
         _check(f"ppo.{key}", getattr(p, key), getattr(p, key) >= 0, "a number >= 0")
     _check("ppo.explore", p.explore, 0 <= p.explore < 1, "a number in [0, 1)")
-    _check("ppo.step_budget", p.step_budget, p.step_budget is None or (math.isfinite(p.step_budget) and p.step_budget >= 1),
-           "a number >= 1 (times the walkthrough's length), or null (none)")
     _check("ppo.target_kl", p.target_kl, p.target_kl is None or (math.isfinite(p.target_kl) and p.target_kl > 0),
            "a number > 0, or null (no early stop)")
     for key in ["gamma", "lam", "temperature_decay"]:

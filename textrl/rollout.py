@@ -200,11 +200,10 @@ class Player:
             self.workers = None
 
 
-def play_games(player: Player, games: list[Path], env: EnvConfig, sampling: Sampling | None = None,
-               budget: float | None = None) -> tuple[list[Episode], RolloutStats]:
+def play_games(player: Player, games: list[Path], env: EnvConfig,
+               sampling: Sampling | None = None) -> tuple[list[Episode], RolloutStats]:
     """Open ``games`` with ``env``'s settings, play one episode each (sampled with ``sampling``,
-    greedy without; cut by a training ``budget``, ``ppo.step_budget``: ``textrl.games.env``), close
-    them. The one function training rollouts, evaluation, ``textrl-eval``
+    greedy without), close them. The one function training rollouts, evaluation, ``textrl-eval``
     and the benchmarks play through: the policy in eval mode (gradient checkpointing and dropout
     act in train mode only) under its autocast, with its weights cast to the autocast dtype once
     for the rollout instead of at every call (``PolicyValueModel.weights_cast_once``)."""
@@ -214,7 +213,7 @@ def play_games(player: Player, games: list[Path], env: EnvConfig, sampling: Samp
                          f"env.drop_turns_from_cache={env.drop_turns_from_cache}")
     start = time.perf_counter()
     prompts = PromptBuilder.for_env(player.tokenizer, env)
-    envs = player.workers.open(games, env, budget) if player.workers else [open_game(g, env, budget) for g in games]
+    envs = player.workers.open(games, env) if player.workers else [open_game(g, env) for g in games]
     was_training = player.policy.training
     try:
         player.policy.eval()

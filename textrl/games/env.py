@@ -11,11 +11,7 @@ unplayed: a lost episode costs what one played to ``max_steps`` without winning 
 step's penalty, policies on tw-treasure_hunter and Pecking Order learned to take a wrong object at
 once and lose). An episode ends when the game is won or lost
 (``terminated``; only some families can be lost, e.g. tw-cooking: a burnt ingredient, an eaten one) or after
-``max_steps`` commands (``truncated``). A training ``budget`` (``ppo.step_budget``) ends it sooner,
-after ``budget`` times the walkthrough's length in commands (if that is below ``max_steps``), as
-``terminated`` and not won: Meow-Tea-Taro's exploration budget, where a loop cannot win (the step
-limit of the game itself, which evaluation plays to, is a cut the value bootstraps over); a loss
-then costs the steps left to that cut. A game that offers no admissible command after a step ends
+``max_steps`` commands (``truncated``). A game that offers no admissible command after a step ends
 the episode there, ``terminated`` though neither won nor lost: no command, hence no future reward,
 can follow (a game with none at its start cannot be played: ``textrl.rollout`` aborts it). A command
 that is not admissible is refused before it reaches the game.
@@ -32,7 +28,6 @@ never reused.
 from __future__ import annotations
 
 import json
-import math
 import re
 import signal
 import threading
@@ -146,7 +141,7 @@ def drop_oldest(history: list[Turn], count: int, verbs: Sequence[str] = ()) -> N
 class StepResult:
     observation: Observation
     reward: float
-    terminated: bool  # won, lost, no command left, or a training budget's cut: no value to bootstrap
+    terminated: bool  # won, lost, or no command left: no value to bootstrap
     truncated: bool  # step limit reached
     info: dict = field(default_factory=dict)
 
@@ -248,14 +243,11 @@ class Game:
 
     def __init__(self, game_file: str | Path, max_steps: int, step_penalty: float = 0.1,
                  win_bonus: float = 1.0, history_len: int = 8, loss_penalty: float = 1.0, *,
-                 step_timeout: float | None = None, keep_answers: Sequence[str] = (), block_repeats: bool = False,
-                 budget: float | None = None):
+                 step_timeout: float | None = None, keep_answers: Sequence[str] = (), block_repeats: bool = False):
         game_file = Path(game_file)
         check_game_file(game_file)
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-        if budget is not None and not budget >= 1:
-            raise ValueError(f"budget must be >= 1 (times the walkthrough's length), got {budget}")
         if history_len < 1:
             raise ValueError(f"history_len must be >= 1, got {history_len}")
         self.game_file = game_file
@@ -267,8 +259,6 @@ class Game:
         self.keep_answers = tuple(keep_answers)  # verbs whose latest answer a history cut keeps (drop_oldest)
         self.step_timeout = step_timeout  # seconds an engine call may take (None: unbounded)
         self.block_repeats = block_repeats  # a state offers its least-played commands of the episode
-        self.budget = budget  # training only: the episode ends, not won, after budget x the walkthrough's length
-        self.limit = max_steps  # this episode's last step: max_steps, or the budget's cut below it (reset)
         self._played: Counter[tuple[str, str, str]] = Counter()  # times each (state, command) was played
         self.fault: GameFault | None = None  # the engine's last fault: it is not reused
         self.history: list[Turn] = []
@@ -279,12 +269,10 @@ class Game:
         self._start()
 
     @classmethod
-    def for_env(cls, game_file: str | Path, env, budget: float | None = None) -> Game:
-        """The game with an EnvConfig's step limit, rewards, history length and step timeout, and a
-        training rollout's step ``budget`` (None: none)."""
+    def for_env(cls, game_file: str | Path, env) -> Game:
+        """The game with an EnvConfig's step limit, rewards, history length and step timeout."""
         return cls(game_file, env.max_steps, env.step_penalty, env.win_bonus, env.history_len, env.loss_penalty,
-                   step_timeout=env.step_timeout, keep_answers=env.keep_answers, block_repeats=env.block_repeats,
-                   budget=budget)
+                   step_timeout=env.step_timeout, keep_answers=env.keep_answers, block_repeats=env.block_repeats)
 
     # ---- the engine ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -327,10 +315,6 @@ class Game:
     def reset(self) -> Observation:
         self.observation, walkthrough = self._call("reset", self._reset)
         self.walkthrough = list(walkthrough)
-        self.limit = self.max_steps
-        if self.budget is not None and self.walkthrough:  # no walkthrough, no budget: the game's own limit
-            # less a rounding error: 1.1 x 50 is 55.00000000000001 in floats, and its ceiling 56
-            self.limit = min(self.max_steps, math.ceil(self.budget * len(self.walkthrough) - 1e-9))
         self.history.clear()
         self._answer_to = ""  # the last command played: the next turn's observation answers it
         self._played.clear()
@@ -341,7 +325,7 @@ class Game:
         obs = self.observation
         if obs is None:
             raise RuntimeError("call reset() before step()")
-        if obs.won or obs.lost or self.steps >= self.limit or not obs.admissible_commands:
+        if obs.won or obs.lost or self.steps >= self.max_steps or not obs.admissible_commands:
             raise RuntimeError("the episode is over; call reset() to start again")
         if command not in obs.admissible_commands:
             raise InvalidCommandError(
@@ -358,8 +342,7 @@ class Game:
         self.observation = new
         reward = ((new.score - obs.score) + (self.win_bonus if new.won else 0.0)
                   - (self._lost_cost() if new.lost else 0.0) - self.step_penalty)
-        out_of_budget = self.limit < self.max_steps and self.steps >= self.limit  # the budget's cut: nothing follows
-        terminated = new.won or new.lost or not new.admissible_commands or out_of_budget  # no command: nothing can follow
+        terminated = new.won or new.lost or not new.admissible_commands  # no command: nothing can follow
         truncated = not terminated and self.steps >= self.max_steps
         return StepResult(new, reward, terminated, truncated, {"won": new.won, "steps": self.steps})
 
@@ -377,9 +360,8 @@ class Game:
 
     def _lost_cost(self) -> float:
         """What the losing step costs beyond its own step penalty: ``loss_penalty`` and the penalty of
-        the steps left to the episode's limit (``max_steps``, or a training budget's cut; the module
-        docstring says why)."""
-        return self.loss_penalty + self.step_penalty * (self.limit - self.steps)
+        the steps left to ``max_steps`` (the module docstring says why)."""
+        return self.loss_penalty + self.step_penalty * (self.max_steps - self.steps)
 
 
 class TextGame(Game):
@@ -467,10 +449,9 @@ class ExpressGame(Game):
             self._env = None
 
 
-def open_game(game_file: str | Path, env, budget: float | None = None) -> Game:
-    """The game behind a game file, with an EnvConfig's step limit, rewards and history length
-    (and a training rollout's step ``budget``): a TextWorld story, or a TextWorldExpress game
-    descriptor (``.twx``, written by the pool)."""
+def open_game(game_file: str | Path, env) -> Game:
+    """The game behind a game file, with an EnvConfig's step limit, rewards and history length:
+    a TextWorld story, or a TextWorldExpress game descriptor (``.twx``, written by the pool)."""
     if Path(game_file).suffix == ".twx":
-        return ExpressGame.for_env(game_file, env, budget)
-    return TextGame.for_env(game_file, env, budget)
+        return ExpressGame.for_env(game_file, env)
+    return TextGame.for_env(game_file, env)

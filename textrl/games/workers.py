@@ -49,8 +49,8 @@ class GameHost:
     def __init__(self):
         self.games: dict[int, Game] = {}
 
-    def open(self, key: int, game_file: str, env, budget: float | None = None) -> None:
-        self.games[key] = open_game(game_file, env, budget)
+    def open(self, key: int, game_file: str, env) -> None:
+        self.games[key] = open_game(game_file, env)
 
     def reset(self, keys: list[int]) -> list[tuple[Observation, list[str]] | GameFault]:
         out = []
@@ -154,7 +154,7 @@ class GameWorkers:
         self.managers[w].start()
         self.hosts[w] = self.managers[w].GameHost(self.make_host)
 
-    def open(self, game_files: list[str | Path], env, budget: float | None = None) -> list[RemoteGame]:
+    def open(self, game_files: list[str | Path], env) -> list[RemoteGame]:
         """The games, opened on the workers (game ``i`` on worker ``i % W``). A worker that dies or
         hangs while opening is replaced; its games are born faulted (their episodes abort at reset)."""
         for w, m in enumerate(self.managers):  # a worker that died since its last call
@@ -164,7 +164,7 @@ class GameWorkers:
         for i, path in enumerate(game_files):
             games.append(RemoteGame(self, i % len(self.hosts), self.next_key, path, env.step_timeout))
             self.next_key += 1
-        for call in self.send(games, lambda host, mine: [host.open(g.key, str(g.game_file), env, budget) for g in mine]):
+        for call in self.send(games, lambda host, mine: [host.open(g.key, str(g.game_file), env) for g in mine]):
             self.collect(call)
         return games
 

@@ -23,9 +23,7 @@ GAE, the rule, and why:
   its last turn bootstraps from the value of that state (read the same way, at its first fork,
   by ``ConstrainedDecoder.values``). The prompt does not show the steps left, so treating the cut
   as the end would teach the value head that the same-looking state has no future at step 8 and a
-  future at step 3. A training step budget's cut (``ppo.step_budget``) is the exception, by design:
-  it ends the episode as not won (``terminated``, value 0 after it), as Meow-Tea-Taro's budget
-  does, so that a loop cannot win; the value head then sees that time-dependence as noise.
+  future at step 3.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class PPOModule(L.LightningModule):
 
         explore = self.cfg.ppo.explore  # the update trains this same mixture (PPOUpdate.prepare)
         sampling = Sampling(temperature, episode_seeds(self.cfg.seed, iteration, played.games), explore)
-        episodes, rollout_stats = play_games(self.player, played.games, played.env, sampling, self.cfg.ppo.step_budget)
+        episodes, rollout_stats = play_games(self.player, played.games, played.env, sampling)
         episodes, aborted = self._completed(episodes, played.env.max_aborted, "training")  # game faults: left out
         outcome = self._all_ranks_metrics(episodes, "rollout")  # every rank reduces, whatever its share
         if curriculum.needs_outcomes:  # stages move on the win rate of all ranks' episodes
