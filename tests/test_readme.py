@@ -51,7 +51,7 @@ FENCE = re.compile(r"^\s*```")
 CUDA_MISSING = "needs a CUDA GPU"
 # keys removed from textrl after docs/results.md recorded runs with them (options not adopted)
 REMOVED_KEYS = {"ppo.value_steps_left", "ppo.explore_decay", "env.shaping", "env.repeat_penalty", "self_imitation.*",
-                "ppo.value_warmup"}
+                "ppo.value_warmup", "ppo.step_budget"}
 # options renamed since a docs/results.md command ran (textrl.config.RENAMED_OPTIONS): composed by today's name
 RENAMED = {"experiment=medium_rl_cpu": "experiment=medium_rl_rule_cpu"}
 

@@ -68,7 +68,8 @@ def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, 
 # options textrl tried and did not adopt, removed since: each key as older checkpoints store it,
 # with the value that leaves it off (a checkpoint written with it off reads as today's)
 REMOVED_OPTIONS = {"ppo.value_steps_left": False, "ppo.explore_decay": 1.0, "env.shaping": 0.0,
-                   "env.repeat_penalty": 0.0, "self_imitation.episodes": 0, "ppo.value_warmup": 0}
+                   "env.repeat_penalty": 0.0, "self_imitation.episodes": 0, "ppo.value_warmup": 0,
+                   "ppo.step_budget": None}
 REMOVED_GROUPS = ("self_imitation",)  # removed with every key in them
 
 
