@@ -164,6 +164,13 @@ def test_the_meow_tea_taro_w2o3q4_recipe_is_its_measured_run():
         assert {k: recipe[k] for k in recorded} == recorded
 
 
+def test_the_meow_tea_taro_w4o6q8_recipe_is_its_measured_run():
+    """experiment=mtt_w4o6q8_cpu is the run whose figures its file and the README give for it."""
+    recipe = composed(["experiment=mtt_w4o6q8_cpu"])
+    for recorded in recorded_configs("learn_mtt_w4o6q8_default.json"):
+        assert {k: recipe[k] for k in recorded} == recorded
+
+
 def test_the_medium_recipe_is_the_measured_warm_start_command():
     """bench/results/learn_medium_bc256_default.json measured medium_cpu's values as command-line
     overrides: a warm start alone on medium games (two passes over 256 training walkthroughs), every
