@@ -157,17 +157,11 @@ def test_the_medium_ppo_recipe_is_its_measured_run():
         assert {k: recipe[k] for k in recorded} == recorded
 
 
-def test_the_meow_tea_taro_w2o3q4_recipe_is_its_measured_run():
-    """experiment=mtt_w2o3q4_cpu is the run whose figures its file and the README give for it."""
-    recipe = composed(["experiment=mtt_w2o3q4_cpu"])
-    for recorded in recorded_configs("learn_mtt_w2o3q4_default.json"):
-        assert {k: recipe[k] for k in recorded} == recorded
-
-
-def test_the_meow_tea_taro_w4o6q8_recipe_is_its_measured_run():
-    """experiment=mtt_w4o6q8_cpu is the run whose figures its file and the README give for it."""
-    recipe = composed(["experiment=mtt_w4o6q8_cpu"])
-    for recorded in recorded_configs("learn_mtt_w4o6q8_default.json"):
+@pytest.mark.parametrize("setting", ["w2o3q4", "w4o6q8"])
+def test_each_meow_tea_taro_recipe_is_its_measured_run(setting):
+    """experiment=mtt_<setting>_cpu is the run whose figures its file and the README give for it."""
+    recipe = composed([f"experiment=mtt_{setting}_cpu"])
+    for recorded in recorded_configs(f"learn_mtt_{setting}_default.json"):
         assert {k: recipe[k] for k in recorded} == recorded
 
 
