@@ -147,21 +147,17 @@ def test_the_rl_alone_medium_recipe_is_its_measured_run():
         assert {k: recipe[k] for k in recorded} == recorded
 
 
-def test_the_medium_ppo_recipe_is_its_measured_run():
-    """experiment=medium_ppo_cpu is the run whose figures its file and the README give for it: the
-    recorded configs of its three seeds (medium_cpu's cloning with PPO's settings as overrides)."""
-    recipe = composed(["experiment=medium_ppo_cpu"])
-    for recorded in recorded_configs("learn_medium68_pool1024_flat32x12_default.json"):
-        assert recorded["experiment"] == "medium_cpu"  # measured as medium_cpu with overrides
-        recorded["experiment"] = "medium_ppo_cpu"
-        assert {k: recipe[k] for k in recorded} == recorded
-
-
-@pytest.mark.parametrize("setting", ["w2o3q4", "w4o6q8"])
-def test_each_meow_tea_taro_recipe_is_its_measured_run(setting):
-    """experiment=mtt_<setting>_cpu is the run whose figures its file and the README give for it."""
-    recipe = composed([f"experiment=mtt_{setting}_cpu"])
-    for recorded in recorded_configs(f"learn_mtt_{setting}_default.json"):
+@pytest.mark.parametrize("experiment, result_file", [
+    ("medium_ppo_cpu", "learn_medium68_ws1024_default.json"),
+    ("mtt_w2o3q4_cpu", "learn_mtt_w2o3q4_default.json"),
+    ("mtt_w4o6q8_cpu", "learn_mtt_w4o6q8_default.json"),
+])
+def test_each_cloning_then_ppo_recipe_is_its_measured_run(experiment, result_file):
+    """experiment=<name> is the run whose figures its file and the README give for it: the configs its
+    seeds recorded (medium_ppo_cpu's measured with its cloning as overrides, since adopted)."""
+    recipe = composed([f"experiment={experiment}"])
+    for recorded in recorded_configs(result_file):
+        assert recorded["experiment"] == experiment
         assert {k: recipe[k] for k in recorded} == recorded
 
 
