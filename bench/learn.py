@@ -38,10 +38,13 @@ its result entry), and a resume that would change the overrides or the precision
 resolves to is refused.
 
     python bench/learn.py --from-stored bench/results/learn_easy24_*.json   # no training: printed
+    python bench/learn.py --from-stored bench/results/learn_medium68_ws1024_default.json ... --out bench/results/recipes.json
 
-recomputes these figures from result files written before they were recorded: their runs kept the
-evaluation curve, each phase's mean seconds per iteration and the total minutes, not the seconds of
-each iteration, so the figures are estimates (each iteration and each evaluation taken at its mean).
+puts result files side by side: each one's held-out wins (mean and std over seeds, and the 95%
+Wilson interval of that mean over the held-out games: the seeds play the same games) and its
+minutes to each win rate. Runs written before these minutes were recorded kept the evaluation
+curve, each phase's mean seconds per iteration and the total minutes, not the seconds of each
+iteration: their figures are estimates (each iteration and each evaluation taken at its mean).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from compose import composed, train_config  # bench/compose.py
 from result import command, cpu_model, write_result  # bench/result.py (the script directory is on sys.path)
 from textrl.config import native_bf16
 from textrl.policy.model import load_tokenizer
+from textrl.results import wilson_interval
 from textrl.training.datamodule import RolloutDataModule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,15 +230,25 @@ def reached(runs: list[dict]) -> dict[str, dict]:
 
 
 def from_stored(path: Path) -> dict:
-    """Minutes to each win rate recomputed from a result file's stored runs (``stored_eval_minutes``)."""
+    """A result file's figures side by side with every other's: the held-out wins with their interval
+    (``win_rate``) and the minutes to each win rate, as its runs recorded them or, for runs written
+    before they were, estimated from their stored means (``stored_eval_minutes``)."""
     data = json.loads(path.read_text())
     runs = []
     for run in data.get("runs", [data]):  # learn_cpu.json: one run, the file itself
-        curve = stored_eval_minutes(run)
-        runs.append({"seed": run.get("seed"), "minutes": run["minutes"], "eval_minutes": curve,
-                     "minutes_to_win_rate": minutes_to(curve)})
-    return {"file": str(path), "clock": CLOCKS["stored_means"], "minutes": mean_std([r["minutes"] for r in runs]),
-            "minutes_to_win_rate": reached(runs), "runs": runs}
+        if run.get("minutes_to_win_rate"):
+            curve, clock, to = run.get("eval_minutes"), run.get("clock"), run["minutes_to_win_rate"]
+        else:
+            curve = stored_eval_minutes(run)
+            clock, to = CLOCKS["stored_means"], minutes_to(curve)
+        runs.append({"seed": run.get("seed"), "minutes": run["minutes"], "clock": clock, "eval_minutes": curve,
+                     "minutes_to_win_rate": to})
+    out = {"file": str(path), "minutes": mean_std([r["minutes"] for r in runs]),
+           "minutes_to_win_rate": reached(runs), "runs": runs}
+    if "eval_games" in data:
+        out["eval_win_rate"] = win_rate([r["eval_win_rate"] for r in data["runs"]], data["eval_games"])
+        out["eval_episode_len"] = data["eval_episode_len"]
+    return out
 
 
 def summarize_run(run_dir: Path, sessions: list[tuple[float, float]] | None = None,
@@ -333,6 +347,13 @@ def mean_std(values: list[float]) -> dict:
             "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0, "values": values}
 
 
+def win_rate(values: list[float], games: int) -> dict:
+    """The seeds' held-out win rates: mean, std and the 95% Wilson interval of the mean as a rate over
+    the held-out games, n = ``games`` (every seed plays the same games: seeds add plays, not games)."""
+    out = mean_std(values)
+    return {**out, "ci95": [round(x, 3) for x in wilson_interval(out["mean"] * games, games)]}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["default"], choices=sorted(CONFIGS))
@@ -340,15 +361,20 @@ def main(argv=None):
     ap.add_argument("--tag", default="easy", help="names the result files and the runs' folder")
     ap.add_argument("--runs", default="outputs/bench_learn", help="where the runs go")
     ap.add_argument("--from-stored", nargs="+", metavar="FILE", type=Path,
-                    help="no training: print the minutes to each held-out win rate, estimated from these result "
-                         "files' stored runs (module docstring)")
+                    help="no training: each result file's held-out wins with their 95%% interval and minutes to "
+                         "each win rate, side by side (module docstring)")
+    ap.add_argument("--out", type=Path, help="with --from-stored: also write them here, with the command")
     ap.add_argument("--resume", action="store_true",
                     help="a seed whose run folder holds checkpoints/last.ckpt (a run killed or stopped) goes on "
                          "from it instead of starting over; its minutes add up the stretches it ran (run_sessions)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every configuration")
     args = ap.parse_args(argv)
     if args.from_stored:
-        print(json.dumps([from_stored(path) for path in args.from_stored], indent=2))
+        stored = [from_stored(path) for path in args.from_stored]
+        if args.out:
+            write_result(str(args.out), {"files": stored}, argv)
+        else:
+            print(json.dumps(stored, indent=2))
         return
 
     resolved = train_config(args.overrides)
@@ -397,7 +423,7 @@ def main(argv=None):
             result = {
                 "config": name, "overrides": overrides_all,
                 "seeds": [r["seed"] for r in runs],
-                "eval_win_rate": mean_std([r["eval_win_rate"] for r in runs]),
+                "eval_win_rate": win_rate([r["eval_win_rate"] for r in runs], resolved.eval.games),
                 "eval_episode_len": mean_std([r["eval_episode_len"] for r in runs]),
                 "minutes": mean_std([r["minutes"] for r in runs]),
                 # the minutes until held-out wins first reach 0.5 / 0.8 / 0.9 (module docstring)

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import families  # noqa: E402
 import textrl.ppo.update as update_module  # noqa: E402
 from iteration import Counts, ModelFlops, blocks_of  # noqa: E402
-from learn import eval_minutes, from_stored, minutes_to, reached, wall_eval_minutes  # noqa: E402
+from learn import eval_minutes, from_stored, minutes_to, reached, wall_eval_minutes, win_rate  # noqa: E402
 from textrl.config import TrainConfig, load_model_config  # noqa: E402
 from food_split import group_of  # noqa: E402
 from value_fit import by_turn, fit_head, ridge  # noqa: E402
@@ -92,6 +92,26 @@ def test_minutes_estimated_from_a_stored_result_file(tmp_path):
     # logged: 4 x 60 + 3 x 20 = 300 s over a 600 s run: each point's logged seconds x 2
     assert out["runs"][0]["eval_minutes"] == [[0, 0.67, 0.0], [2, 5.33, 0.5], [4, 10.0, 0.9]]
     assert out["runs"][0]["minutes_to_win_rate"] == {"0.5": 5.33, "0.8": 10.0, "0.9": 10.0}
+
+
+def test_stored_files_side_by_side_keep_the_minutes_their_runs_recorded(tmp_path):
+    """A run that recorded its minutes to each win rate keeps them (not the estimate from its means);
+    the wins' interval is the seeds' mean as a rate over the held-out games, not over the plays."""
+    run = {"seed": 1, "minutes": 10.0, "iterations": 4, "eval_curve": [[0, 0.0, 8.0], [4, 0.9, 2.0]],
+           "seconds_per_iteration": {"rollout": 20.0, "update": 35.0, "evaluation": 20.0},
+           "eval_minutes": [[0, 1.0, 0.0], [4, 9.0, 0.9]], "clock": "wall",
+           "minutes_to_win_rate": {"0.5": 9.0, "0.8": 9.0, "0.9": 9.0}, "eval_win_rate": 0.9}
+    path = tmp_path / "learn_x_default.json"
+    path.write_text(json.dumps({"runs": [run, {**run, "seed": 2, "eval_win_rate": 0.95}], "eval_games": 64,
+                                "eval_episode_len": {"mean": 2.0}}))
+    out = from_stored(path)
+    assert out["runs"][0]["minutes_to_win_rate"] == {"0.5": 9.0, "0.8": 9.0, "0.9": 9.0}
+    assert out["minutes_to_win_rate"]["0.9"]["reached"] == "2/2"
+    assert out["eval_win_rate"] == win_rate([0.9, 0.95], 64)
+    assert out["eval_win_rate"]["mean"] == 0.925
+    # n = 64 games: over the 128 plays it would be [0.866, 0.959]
+    assert out["eval_win_rate"]["ci95"] == [0.834, 0.968]
+    assert win_rate([1.0], 64)["ci95"][1] == 1.0 and win_rate([0.0], 64)["ci95"][0] == 0.0
 
 
 def _tiny(**overrides):
