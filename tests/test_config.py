@@ -149,12 +149,13 @@ def test_the_rl_alone_medium_recipe_is_its_measured_run():
 
 @pytest.mark.parametrize("experiment, result_file", [
     ("medium_ppo_cpu", "learn_medium68_ws1024_default.json"),
-    ("mtt_w2o3q4_cpu", "learn_mtt_w2o3q4_default.json"),
+    ("mtt_w2o3q4_cpu", "learn_mtt_w2o3q4_ws1024_default.json"),
     ("mtt_w4o6q8_cpu", "learn_mtt_w4o6q8_default.json"),
 ])
 def test_each_cloning_then_ppo_recipe_is_its_measured_run(experiment, result_file):
     """experiment=<name> is the run whose figures its file and the README give for it: the configs its
-    seeds recorded (medium_ppo_cpu's measured with its cloning as overrides, since adopted)."""
+    seeds recorded (medium_ppo_cpu's and mtt_w2o3q4_cpu's measured with their cloning as overrides, since
+    adopted)."""
     recipe = composed([f"experiment={experiment}"])
     for recorded in recorded_configs(result_file):
         assert recorded["experiment"] == experiment
