@@ -369,6 +369,8 @@ def main(argv=None):
                          "from it instead of starting over; its minutes add up the stretches it ran (run_sessions)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides added to every configuration")
     args = ap.parse_args(argv)
+    if args.out and not args.from_stored:
+        ap.error("--out writes what --from-stored puts side by side: give --from-stored FILE ... too")
     if args.from_stored:
         stored = [from_stored(path) for path in args.from_stored]
         if args.out:

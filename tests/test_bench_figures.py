@@ -10,11 +10,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 # noqa: E402 below: bench/ is a script directory, not a package
 import families  # noqa: E402
+import learn  # noqa: E402
 import textrl.ppo.update as update_module  # noqa: E402
 from iteration import Counts, ModelFlops, blocks_of  # noqa: E402
 from learn import eval_minutes, from_stored, minutes_to, reached, wall_eval_minutes, win_rate  # noqa: E402
@@ -112,6 +114,13 @@ def test_stored_files_side_by_side_keep_the_minutes_their_runs_recorded(tmp_path
     # n = 64 games: over the 128 plays it would be [0.866, 0.959]
     assert out["eval_win_rate"]["ci95"] == [0.834, 0.968]
     assert win_rate([1.0], 64)["ci95"][1] == 1.0 and win_rate([0.0], 64)["ci95"][0] == 0.0
+
+
+def test_out_without_stored_files_is_refused(capsys):
+    """--out only writes what --from-stored reads: alone it would write nothing, so it is refused."""
+    with pytest.raises(SystemExit):
+        learn.main(["--out", "x.json"])
+    assert "--from-stored" in capsys.readouterr().err
 
 
 def _tiny(**overrides):
