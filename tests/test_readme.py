@@ -326,15 +326,15 @@ def test_the_family_table_is_the_measured_one():
 
 def test_the_readme_family_recipes_show_the_measured_figures():
     """Each family's row of the README's recipe table shows what bench/families.py measured for its
-    trained policy (wins, steps, minutes)."""
+    trained policy (wins with their 95% interval, steps, minutes)."""
     readme = (ROOT / "README.md").read_text().splitlines()
     for line in (ROOT / "bench/results/families/families.md").read_text().splitlines():
         if not (m := re.match(r"\| `(\w+)` \(\d+\) \|", line)):
             continue
         cells = [c.strip() for c in line.strip("|").split("|")]
-        wins, steps = re.match(r"([\d.]+) \[[^]]*\] / ([\d.]+)", cells[3]).groups()
+        wins, interval, steps = re.match(r"([\d.]+) (\[[^]]*\]) / ([\d.]+)", cells[3]).groups()
         row = next((r for r in readme if f"`python train.py experiment={m.group(1)}_cpu`" in r), None)
         assert row, f"the README has no recipe row for {m.group(1)}"
         row_cells = [c.strip() for c in row.strip("|").split("|")]
-        assert f"{wins} in {steps} steps" in row_cells[3], (m.group(1), row_cells[3])
+        assert f"{wins} {interval} in {steps} steps" in row_cells[3], (m.group(1), row_cells[3])
         assert row_cells[2].split()[0] == cells[4], (m.group(1), row_cells[2])
