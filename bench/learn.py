@@ -34,8 +34,8 @@ and checkpoint writes, which no phase logs, spread in proportion).
 goes on with a run that was killed or stopped (its folder holds ``checkpoints/last.ckpt``) instead of
 starting it over: a run longer than one sitting. Its minutes add up the stretches it ran (a killed
 stretch until its last checkpoint; ``learn_sessions.json`` in the run's folder, and ``sessions`` in
-its result entry), and a resume that would change the overrides or the precision ``memory=auto``
-resolves to is refused.
+its result entry); a resume that would change the overrides is refused, and one on a machine where
+``memory=auto`` resolves another precision keeps the run's first (as ``train.py`` does).
 
     python bench/learn.py --from-stored bench/results/learn_easy24_*.json   # no training: printed
     python bench/learn.py --from-stored bench/results/learn_medium68_ws1024_default.json ... --out bench/results/recipes.json
@@ -177,8 +177,9 @@ def run_sessions(run_dir: Path, resume: bool, commit: str, precision: str, overr
     it ends). Without ``resume`` the run starts over: its folder is emptied. With it, a run whose
     folder holds ``checkpoints/last.ckpt`` goes on there (``train.py`` resumes by itself); a stretch
     that was killed counts until its ``last.ckpt`` was written: what the kill lost is played again
-    and counted then. A resume that would change the precision or the overrides is refused (the run
-    would mix two configurations)."""
+    and counted then. A resume that would change the overrides is refused (the run would mix two
+    configurations); under the same overrides the precision is the run's first (``train.py`` keeps a
+    checkpoint's ``memory=auto`` decision), whatever this machine's ``precision`` would be."""
     path = run_dir / "learn_sessions.json"
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     sessions = []
@@ -187,13 +188,13 @@ def run_sessions(run_dir: Path, resume: bool, commit: str, precision: str, overr
             raise SystemExit(f"{run_dir} holds {ckpt.name} but no {path.name}: it was not started by "
                              f"bench/learn.py, whose minutes it could not count; run without --resume")
         sessions = json.loads(path.read_text())
-        if sessions[-1]["precision"] != precision:
-            raise SystemExit(f"{run_dir} ran in {sessions[-1]['precision']} and would resume in {precision} "
-                             f"(memory=auto chose by this machine): pass memory=none (fp32) or memory=bf16 "
-                             f"to keep one precision")
         if sessions[-1]["overrides"] != overrides:
             raise SystemExit(f"{run_dir} ran with {' '.join(sessions[-1]['overrides'])} and would resume with "
                              f"{' '.join(overrides)}: resume it with the same command, or pass another --tag")
+        if sessions[-1]["precision"] != precision:  # same overrides: memory=auto, decided by another machine
+            print(f"{run_dir} ran in {sessions[-1]['precision']}, which memory=auto keeps from its checkpoint "
+                  f"(this machine would choose {precision})", flush=True)
+            precision = sessions[-1]["precision"]
         for s in sessions:
             if s["seconds"] is None:  # killed: it counts until its last checkpoint
                 s["seconds"] = round(max(0.0, ckpt.stat().st_mtime - s["started"]), 1)
@@ -400,6 +401,7 @@ def main(argv=None):
             overrides = [*CONFIGS[name], *args.overrides, f"seed={seed}"]
             cmd = [sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"]
             sessions = run_sessions(run_dir, args.resume, commit, precision, overrides)
+            run_precision = sessions[-1]["precision"]  # a resumed run's first precision
             start = time.perf_counter()
             # console.log, not train.log: that is Hydra's log file of the run, which its own handler
             # appends to while this handle writes at its own offset (lines overwrote each other)
@@ -410,7 +412,7 @@ def main(argv=None):
             minutes = sum(s["seconds"] for s in sessions) / 60
             run = {"seed": seed, "minutes": round(minutes, 1), "command": "python train.py " + " ".join(overrides),
                    "commit": commit, "resolved": config,
-                   "precision": precision, "cpu": cpu_model(), "cpu_native_bf16": native_bf16(False),
+                   "precision": run_precision, "cpu": cpu_model(), "cpu_native_bf16": native_bf16(False),
                    "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir),
                    **summarize_run(run_dir, [(s["started"], s["seconds"]) for s in sessions], minutes)}
             if len(sessions) > 1:  # resumed: where each stretch ran (the run's commit is the last one's)

@@ -73,11 +73,16 @@ def test_without_resume_a_stopped_run_starts_over(tmp_path):
     assert not (run_dir / "checkpoints").exists() and [s["commit"] for s in sessions] == ["bbb"]
 
 
-def test_a_resume_that_would_change_the_precision_or_overrides_or_cannot_count_minutes_is_refused(tmp_path):
+def test_a_resume_on_a_machine_that_would_choose_another_precision_keeps_the_runs(tmp_path):
+    run_dir = tmp_path / "seed1"
+    _stopped_run(run_dir, time.time() - 60, ckpt_after=30.0)  # ran in 32-true
+    sessions = run_sessions(run_dir, True, "bbb", "bf16-mixed", RUN)  # memory=auto here: bf16
+    assert [s["precision"] for s in sessions] == ["32-true", "32-true"]  # as train.py keeps its checkpoint's
+
+
+def test_a_resume_that_would_change_the_overrides_or_cannot_count_minutes_is_refused(tmp_path):
     run_dir = tmp_path / "seed1"
     _stopped_run(run_dir, time.time() - 60, ckpt_after=30.0)
-    with pytest.raises(SystemExit, match=r"ran in 32-true and would resume in bf16-mixed.*memory=none"):
-        run_sessions(run_dir, True, "bbb", "bf16-mixed", RUN)
     with pytest.raises(SystemExit, match=r"ran with experiment=medium_rl_rule_cpu seed=1 and would resume with .*iterations=6"):
         run_sessions(run_dir, True, "bbb", "32-true", [*RUN, "iterations=6"])
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # refused before anything was removed
