@@ -151,6 +151,7 @@ def test_the_rl_alone_medium_recipe_is_its_measured_run():
     ("medium_ppo_cpu", "learn_medium68_ws1024_default.json"),
     ("mtt_w2o3q4_cpu", "learn_mtt_w2o3q4_ws1024_default.json"),
     ("mtt_w4o6q8_cpu", "learn_mtt_w4o6q8_default.json"),
+    ("hard_ppo_cpu", "learn_hard68_ws1024_default.json"),
 ])
 def test_each_cloning_then_ppo_recipe_is_its_measured_run(experiment, result_file):
     """experiment=<name> is the run whose figures its file and the README give for it: the configs its
