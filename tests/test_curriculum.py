@@ -8,9 +8,7 @@ import pytest
 
 import textrl.cli.train as cli
 from textrl.config import ConfigError
-from textrl.games.env import open_game
 from textrl.training.curriculum import Curriculum
-from textrl.rollout import play_uniform
 from textrl.training.datamodule import RolloutDataModule
 from tests.conftest import StopAfter, config, read_metrics
 
@@ -70,26 +68,6 @@ def test_lost_games_are_replayed_without_stages_by_default_and_not_when_switched
     assert off.games(1) == ready(config(tmp_path, "curriculum.replay=0")).games(1)
 
 
-def test_games_won_slower_than_their_walkthrough_are_replayed_with_replay_slow(tmp_path):
-    """Random play on real training games wins some games in more steps than their walkthrough:
-    with curriculum.replay_slow those join the lost ones on the replay list, and are replayed."""
-    cfg = config(tmp_path, "curriculum.replay_slow=true", "curriculum.replay=0.5")
-    c = ready(cfg)
-    envs = [open_game(g, cfg.env) for g in c.train_games]
-    try:
-        episodes = play_uniform(envs)[0]
-    finally:
-        for e in envs:
-            e.close()
-    lost = [e.game for e in episodes if not e.won]
-    slow = [e.game for e in episodes if e.won and e.length > len(e.walkthrough) >= 1]
-    assert lost and slow  # random play on easy loses some games and wins others the long way
-    assert c.to_replay(episodes) == [e.game for e in episodes if e.game in set(lost + slow)]
-    assert ready(config(tmp_path)).to_replay(episodes) == lost  # the default: the lost ones only
-    c.record(0.0, c.to_replay(episodes)[:2])
-    assert {str(g) for g in c.games(1).games[:2]} == set(c.to_replay(episodes)[:2])
-
-
 def test_evaluation_on_training_games_plays_the_current_stage(tmp_path):
     """The second validation loader (eval.train_games fixed training games) is read when an
     evaluation starts: after a stage move it holds the new stage's games, with the stage's settings."""
@@ -110,8 +88,6 @@ def test_bad_curriculum_is_refused_at_start(tmp_path):
         config(tmp_path, "curriculum.stages=[easy,impossible]")
     with pytest.raises(ConfigError, match="curriculum.replay=1.0 is not allowed"):
         config(tmp_path, *STAGES, "curriculum.replay=1.0")
-    with pytest.raises(ConfigError, match="curriculum.replay_slow=True is not allowed: false with curriculum.replay=0"):
-        config(tmp_path, "curriculum.replay=0", "curriculum.replay_slow=true")
 
 
 def test_a_resumed_run_continues_at_its_stage(tmp_path):

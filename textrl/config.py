@@ -230,9 +230,6 @@ class CurriculumConfig:
     # share of each iteration's training games drawn from recently lost ones (fresh games only); 0: off
     replay: float = 0.25
     replay_size: int = 64  # how many recently lost games (of the current stage) are remembered
-    # also remember games won in more steps than their walkthrough: where sampling recovers from a
-    # first choice the greedy policy would not recover from
-    replay_slow: bool = False
 
 
 @dataclass
@@ -411,8 +408,6 @@ def _check_curriculum(c: CurriculumConfig) -> None:
     _check("curriculum.window", c.window, c.window >= 1, "an integer >= 1")
     _check("curriculum.replay", c.replay, 0 <= c.replay < 1, "a share in [0, 1)")
     _check("curriculum.replay_size", c.replay_size, c.replay_size >= 1, "an integer >= 1")
-    _check("curriculum.replay_slow", c.replay_slow, not c.replay_slow or c.replay > 0,
-           "false with curriculum.replay=0 (nothing is replayed)")
 
 
 def _check_logger(g: LoggerConfig) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from textrl.config import EnvConfig, TrainConfig, fit_to_positions, load_env_config, training_game_count
 from textrl.games.pool import GamePool, GameSpec
-from textrl.rollout import Episode, iteration_rng
+from textrl.rollout import iteration_rng
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,6 @@ class Curriculum:
         mine = [g for g in games[rank::world] for _ in range(e.group_size)]
         return IterationGames(mine, self.env, self.stage, len(replayed), games)
 
-    def to_replay(self, episodes: list[Episode]) -> list[str]:
-        """The games of an iteration's episodes that ``record`` remembers for replays: the ones not
-        won and, with ``curriculum.replay_slow``, the ones won in more steps than their walkthrough."""
-        slow = self.cfg.curriculum.replay_slow
-        return [e.game for e in episodes if not e.won or (slow and e.walkthrough and e.length > len(e.walkthrough))]
-
     @property
     def stage_win_rate(self) -> float | None:
         """The mean of the stage's last ``curriculum.window`` training win rates (None right after a move)."""
@@ -116,8 +110,7 @@ class Curriculum:
         return sum(recent) / len(recent) if recent else None
 
     def record(self, win_rate: float, lost: list[str]) -> bool:
-        """An iteration's training win rate and games to replay (``to_replay``: the lost ones, and
-        the slow ones with ``curriculum.replay_slow``), both over all ranks (they are
+        """An iteration's training win rate and lost games, both over all ranks (the lost ones are
         remembered for replays: every rank keeps the same list, so all ranks draw the same replays and
         rank 0's checkpoint holds what each rank resumes with); moves to the next curriculum stage when the stage's last ``curriculum.window`` win
         rates average at least ``curriculum.threshold``. Returns whether it moved."""

@@ -118,7 +118,7 @@ class PPOModule(L.LightningModule):
         episodes, aborted = self._completed(episodes, played.env.max_aborted, "training")  # game faults: left out
         outcome = self._all_ranks_metrics(episodes, "rollout")  # every rank reduces, whatever its share
         if curriculum.needs_outcomes:  # stages move on the win rate of all ranks' episodes
-            lost = self._all_ranks_lost(curriculum.to_replay(episodes), played)
+            lost = self._all_ranks_lost([e.game for e in episodes if not e.won], played)
             curriculum.record(outcome["rollout/win_rate"], lost)
         stats = self.update.run(episodes, iteration, optimizer)
         self.lr_schedulers().step()
