@@ -63,6 +63,11 @@ def recorded_configs(result_file: str):
     recorded = [without_removed_options(config) for config in recorded]
     for config in recorded:  # keys added since, at the value that plays as the runs did
         config["eval"].setdefault("temperature", None)  # no sampled evaluation beside greedy
+        # the old default's 4 sequences an optimizer step, 1 per forward: the same steps over the same
+        # sequences as the new default's 4 in one packed forward (test_training.py pins that the split
+        # leaves a step's gradient as it is)
+        if (config["ppo"]["minibatch_size"], config["ppo"]["grad_accum"]) == (1, 4):
+            config["ppo"].update(minibatch_size=4, grad_accum=1)
     return recorded
 
 

@@ -308,23 +308,29 @@ def test_the_decode_profile_counts_every_real_token_fed_and_the_games_time(tiny,
     assert 0 < stats.env_s and stats.env_s + stats.decode.model_s < stats.seconds
 
 
-@pytest.mark.parametrize("name, layers", [("tiny", {}), ("gpt2", {"n_layer": 2}), ("qwen", {"num_hidden_layers": 2})])
-def test_the_updates_padded_forward_computes_each_sequence_as_alone(name, layers, easy_games):
-    """decision_forward pads a minibatch and, for SDPA, builds the 4-D mask itself (padding_mask):
-    every decision's logits and value equal those of its sequence fed alone, unpadded, for Llama,
-    GPT-2 (learned positions) and Qwen2 (GQA) alike."""
+@pytest.mark.parametrize("name, layers, attention", [
+    ("tiny", {}, None), ("gpt2", {"n_layer": 2}, None), ("qwen", {"num_hidden_layers": 2}, None),
+    ("tiny", {}, "eager"), ("gpt2", {"n_layer": 2}, "eager")])
+def test_the_updates_batched_forward_computes_each_sequence_as_alone(name, layers, attention, easy_games):
+    """decision_forward packs a minibatch back to back under textrl's attention, and pads it under
+    any other (``eager``), with the 4-D mask built by itself for SDPA (padding_mask): either way
+    every decision's logits and value equal those of its sequence fed alone, for Llama, GPT-2
+    (learned positions: each packed sequence from position 0) and Qwen2 (GQA) alike."""
     from textrl.config import load_model_config
     from textrl.games.prompt import PromptBuilder
-    from textrl.policy.model import build_policy
+    from textrl.policy.model import SDPA, build_policy
     from textrl.ppo.sequences import decision_forward, training_sequences
 
     torch.manual_seed(0)
-    policy, tokenizer = build_policy(load_model_config(name, **({"source": "random", "architecture": layers} if layers else {})))
+    overrides = {"source": "random", "architecture": layers} if layers else {}
+    policy, tokenizer = build_policy(load_model_config(name, **overrides, **({"attn_implementation": attention}
+                                                                            if attention else {})))
+    assert (policy.lm.config._attn_implementation == SDPA) == (attention is None)
     policy.eval()
     episodes, _ = decode_episodes([TextGame(p, 3) for p in easy_games[:3]], [ConstrainedDecoder(policy)],
                                   PromptBuilder(tokenizer), Sampling(1.0, [0, 1, 2]))
     sequences = training_sequences(episodes).sequences
-    assert len({len(s.input_ids) for s in sequences}) > 1  # the batch is padded
+    assert len({len(s.input_ids) for s in sequences}) > 1  # unequal: padded, or packed at several offsets
     with torch.no_grad():
         together = decision_forward(policy, sequences, tokenizer.pad_token_id)
         alone = [decision_forward(policy, [s], tokenizer.pad_token_id) for s in sequences]

@@ -77,9 +77,15 @@ def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool, hi
     with torch.no_grad():
         terms, _ = update.loss(first, data, 1.0)
         out = decision_forward(update.policy, first, update.pad_id)
+        alone = [decision_forward(update.policy, [s], update.pad_id) for s in first]
     assert terms.log_ratio.numel() >= 2
     assert float(terms.log_ratio.abs().max()) < 1e-4
     assert torch.allclose(out.values, data.targets.old_values[out.decisions], atol=1e-4)
+    # packed back to back, each sequence's cuts hidden from its later turns as when it is alone
+    assert torch.allclose(out.values, torch.cat([a.values for a in alone]), atol=1e-5)
+    width = out.logits.shape[1]
+    logits = torch.cat([torch.nn.functional.pad(a.logits, (0, width - a.logits.shape[1])) for a in alone])
+    assert torch.allclose(out.logits[out.valid], logits[out.valid], atol=1e-4)
 
 
 def test_an_optimizer_steps_gradient_does_not_depend_on_how_it_is_split(tmp_path, easy_pool):

@@ -137,8 +137,9 @@ class PPOConfig:
     gamma: float = 0.99
     lam: float = 0.95
     epochs: int = 2  # passes over each rollout
-    minibatch_size: int = 1  # sequences per forward
-    grad_accum: int = 4  # forwards per optimizer step
+    # sequences per forward: packed back to back, so the linear layers multiply one long row
+    minibatch_size: int = 4
+    grad_accum: int = 1  # forwards per optimizer step
     max_grad_norm: float = 1.0  # clips the LM's gradient norm and, separately, the value head's
     # a step with a non-finite loss or gradient is skipped; this many in a row stop the run
     max_skipped_steps: int = 3

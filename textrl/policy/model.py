@@ -361,6 +361,11 @@ class PolicyValueModel(nn.Module):
         that are needed come from ``logits_of`` (a fork's children) or ``logits``.
         """
         extra = {} if stream is None else {"stream": stream}  # passed down to every attention call
+        if stream is not None and attention_mask is None:
+            # the layout says what each token sees; a 4-D mask is taken as given, where transformers
+            # would otherwise build one nobody reads (reading the positions on the host first, to
+            # look for packed sequences)
+            attention_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
         with self.last_mlp_at(read):
             out = self.lm.get_decoder()(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -170,54 +170,67 @@ class ForkOutputs(NamedTuple):
 
 def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pad_id: int,
                      prefix: PrefixOutputs | None = None) -> ForkOutputs:
-    """One right-padded forward over the sequences: the logits of each decision's allowed tokens
-    and its value. Shared by the PPO update and the warm start.
+    """One forward over the sequences: the logits of each decision's allowed tokens and its value.
+    Shared by the PPO update and the warm start.
 
     Everything it needs from the host (token ids, lengths, where each decision reads the hidden
     states, the forks' children, the tokens taken, the decisions' places) goes to the device in one
-    copy (``ints_to_device``); the padding mask is built there from the lengths.
+    copy (``ints_to_device``).
 
-    A batch with cut turns (``TrainingSequence.drops``) attends as its rollout did, block by block
-    (``textrl.policy.speed.stream``); the others with causal attention over their padding mask.
+    Under textrl's attention (``SDPA``) the sequences are packed: back to back in one row, each at
+    its own positions, each token attending to exactly the keys it attended to alone (its own
+    sequence's, less its cut turns: ``textrl.policy.speed.stream``, with each sequence's start a cut
+    that hides the ones before it). The linear layers then multiply every real token once, in one
+    product, and no padding; attention stays one call per block of each sequence. Any other attention
+    runs the sequences right padded, causal over a padding mask built on the device.
 
     With ``prefix``, a batch whose sequences all have a recorded frozen-block output skips the
     frozen blocks; any other batch runs in full and records it in ``prefix`` for later forwards."""
     device = next(policy.parameters()).device
     lengths = [len(s.input_ids) for s in batch]
-    width = max(lengths)
+    packed = policy.lm.config._attn_implementation == SDPA
+    if not packed and any(s.drops for s in batch):
+        raise ValueError(f"sequences with turns dropped from the rollout's cache need textrl's attention "
+                         f"({SDPA}); this model runs {policy.lm.config._attn_implementation!r}")
+    # where each sequence starts in the forward's flat [rows x width] tokens
+    width = sum(lengths) if packed else max(lengths)
+    starts = [sum(lengths[:r]) for r in range(len(batch))] if packed else [r * width for r in range(len(batch))]
     allowed = [a for s in batch for a in s.allowed]
     ints = ints_to_device({
-        "ids": [t for s in batch for t in s.input_ids + [pad_id] * (width - len(s.input_ids))],
+        "ids": [t for s in batch for t in s.input_ids + ([] if packed else [pad_id] * (width - len(s.input_ids)))],
+        "positions": [c for n in lengths for c in range(n)] if packed else list(range(width)),
         "lengths": lengths,
-        "at": [r * width + c for r, s in enumerate(batch) for c in s.positions],  # the hidden state each decision reads
+        "at": [start + c for start, s in zip(starts, batch) for c in s.positions],  # the hidden state each decision reads
         # each of those once: the last block's MLP runs there only (PolicyValueModel.last_mlp_at)
-        "read": sorted({r * width + c for r, s in enumerate(batch) for c in s.positions}),
+        "read": sorted({start + c for start, s in zip(starts, batch) for c in s.positions}),
         "chosen": [a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))],
         "decisions": [k for s in batch for k in s.decisions],
         **fork_parts(allowed)}, device)
-    ids = ints["ids"].view(len(batch), width)
-    positions = torch.arange(width, device=device)[None].expand_as(ids)  # right padding: plain 0..n-1, as in the rollout
-    if any(s.drops for s in batch):  # the blocks cover the real tokens only: the padding needs no mask
-        if policy.lm.config._attn_implementation != SDPA:  # any other attention ignores the layout
-            raise ValueError(f"sequences with turns dropped from the rollout's cache need textrl's attention "
-                             f"({SDPA}); this model runs {policy.lm.config._attn_implementation!r}")
-        mask, extra = None, {"stream": StreamLayout.of([(len(s.input_ids), s.drops) for s in batch], device)}
+    rows = 1 if packed else len(batch)
+    ids = ints["ids"].view(rows, width)
+    positions = ints["positions"][None].expand(rows, width)  # right padding: plain 0..n-1, as in the rollout
+    if packed:  # one stream: each sequence's start hides every token before it
+        drops = [Drop(start + d.at, start + d.start, start + d.stop) for start, s in zip(starts, batch) for d in s.drops]
+        drops += [Drop(start, 0, start) for start in starts[1:]]
+        # one sequence without cuts is one causal block: attended as such, with no layout
+        mask, extra = None, {"stream": StreamLayout.of([(width, tuple(drops))], device)} if drops else {}
     else:
         mask, extra = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None, {}
     extra["read"] = ints["read"]
     if prefix is None:
         hidden, _ = policy.hidden(ids, mask, positions, **extra)
     elif all(prefix.outputs[s.index] is not None for s in batch):
-        # zeros at the padding: causal attention keeps them out of every real position
-        recorded = torch.nn.utils.rnn.pad_sequence([prefix.outputs[s.index] for s in batch], batch_first=True)
+        outputs = [prefix.outputs[s.index] for s in batch]
+        # padded: zeros at the padding, which causal attention keeps out of every real position
+        recorded = torch.cat(outputs)[None] if packed else torch.nn.utils.rnn.pad_sequence(outputs, batch_first=True)
         with prefix.frozen.replay(recorded):
             hidden, _ = policy.hidden(ids, mask, positions, **extra)
     else:
         with prefix.frozen.record() as recorded:
             hidden, _ = policy.hidden(ids, mask, positions, **extra)
-        output = prefix.frozen.recorded_output(recorded)
-        for r, s in enumerate(batch):
-            prefix.outputs[s.index] = output[r, : len(s.input_ids)].detach()
+        output = prefix.frozen.recorded_output(recorded).flatten(0, 1)
+        for start, s in zip(starts, batch):
+            prefix.outputs[s.index] = output[start: start + len(s.input_ids)].detach()
     h = hidden.flatten(0, 1)[ints["at"]]
     forks = Forks.on_device(allowed, ints)
     return ForkOutputs(policy.logits_of(h, forks.index), forks.valid, ints["chosen"], policy.value(h), sum(lengths),

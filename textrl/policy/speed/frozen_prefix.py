@@ -12,7 +12,7 @@ pass and replays it in the later ones. The
 recording is the frozen blocks' function of the same tokens and positions, computed with the KV
 cache: equal to a full forward's up to rounding, and the update's passes all replay the same tensor,
 so the first minibatch's ratio is still exactly 1 (``ppo.recompute_old``) -- bitwise when the passes
-have the same shapes (one sequence per forward, ``ppo.minibatch_size=1``, the CPU default).
+have the same shapes (the recompute runs the first pass's own minibatches).
 
 Valid only while nothing at or below the last frozen block trains: ``FrozenPrefix.of`` checks that
 every trainable parameter is registered after the first trainable block starts (Hugging Face models

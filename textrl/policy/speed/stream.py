@@ -99,7 +99,8 @@ class StreamLayout:
     """The attention blocks of a right-padded batch of streams (``streams``: each row's length and
     drops), for one forward: per row, ``blocks``' ranges and each block's mask, built once for
     every layer on the device: bottom-right causal (a block's earlier keys are all seen; its own
-    tokens causally), None for a single query."""
+    tokens causally); None for a single query, and for a block that sees only itself (plain causal
+    attention: the kernels' own ``is_causal``)."""
 
     rows: list[list[tuple[int, int, list[tuple[int, int]]]]]
     masks: list[list[torch.Tensor | None]]
@@ -112,7 +113,7 @@ class StreamLayout:
             masks.append([])
             for q0, q1, ranges in row:
                 m, n = q1 - q0, sum(b - a for a, b in ranges)
-                masks[-1].append(None if m == 1 else torch.ones(m, n, dtype=torch.bool, device=device).tril(n - m))
+                masks[-1].append(None if m == 1 or m == n else torch.ones(m, n, dtype=torch.bool, device=device).tril(n - m))
         return cls(rows, masks)
 
 
@@ -135,13 +136,14 @@ def stream_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             v = torch.cat([value[b: b + 1, :, s:e] for s, e in ranges], dim=2) if len(ranges) > 1 else \
                 value[b: b + 1, :, ranges[0][0]: ranges[0][1]]
             q = query[b: b + 1, :, q0:q1]
+            causal = mask is None and q1 - q0 > 1  # a block that sees only itself
             if cpu and not dropout:  # as the rollout's calls attend (SDPA, or products where faster in bf16)
-                parts.append(attend(q, k, v, scaling, mask))
+                parts.append(attend(q, k, v, scaling, mask, causal))
                 continue
             if groups > 1 and not cpu:  # CUDA's masked kernels take no grouped heads (see model.sdpa_attention)
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                        enable_gqa=groups > 1 and cpu))
+                                                        is_causal=causal, enable_gqa=groups > 1 and cpu))
         end = row[-1][1] if row else 0
         if end < width:
             parts.append(query.new_zeros(1, heads, width - end, dim, dtype=parts[0].dtype if parts else query.dtype))
