@@ -46,6 +46,15 @@ def test_only_admissible_commands_are_ever_emitted(tiny, prompts, easy_games, te
     assert len(emitted) > 20  # sampling really explores, not one command over and over
 
 
+def test_token_packs_are_consecutive_sequences_within_the_budget():
+    from textrl.ppo.sequences import token_packs
+
+    assert token_packs([100, 100, 100], 250) == [(0, 2), (2, 3)]
+    assert token_packs([300, 100, 100], 250) == [(0, 1), (1, 3)]  # a longer sequence goes alone
+    assert token_packs([100, 100], 200) == [(0, 2)]
+    assert token_packs([50], 10) == [(0, 1)]
+
+
 def test_mixed_batch_gives_the_same_logprobs_as_each_environment_alone(tiny, prompts, easy_games):
     policy, tokenizer = tiny
     games = easy_games[:8]
@@ -308,14 +317,17 @@ def test_the_decode_profile_counts_every_real_token_fed_and_the_games_time(tiny,
     assert 0 < stats.env_s and stats.env_s + stats.decode.model_s < stats.seconds
 
 
-@pytest.mark.parametrize("name, layers, attention", [
-    ("tiny", {}, None), ("gpt2", {"n_layer": 2}, None), ("qwen", {"num_hidden_layers": 2}, None),
-    ("tiny", {}, "eager"), ("gpt2", {"n_layer": 2}, "eager")])
-def test_the_updates_batched_forward_computes_each_sequence_as_alone(name, layers, attention, easy_games):
-    """decision_forward packs a minibatch back to back under textrl's attention, and pads it under
-    any other (``eager``), with the 4-D mask built by itself for SDPA (padding_mask): either way
-    every decision's logits and value equal those of its sequence fed alone, for Llama, GPT-2
-    (learned positions: each packed sequence from position 0) and Qwen2 (GQA) alike."""
+@pytest.mark.parametrize("name, layers, attention, pack_tokens", [
+    ("tiny", {}, None, 2048), ("gpt2", {"n_layer": 2}, None, 2048), ("qwen", {"num_hidden_layers": 2}, None, 2048),
+    ("tiny", {}, None, 300), ("tiny", {}, "eager", 2048), ("gpt2", {"n_layer": 2}, "eager", 2048)])
+def test_the_updates_batched_forward_computes_each_sequence_as_alone(name, layers, attention, pack_tokens,
+                                                                      easy_games, monkeypatch):
+    """decision_forward packs a minibatch back to back under textrl's attention (in rows of up to
+    ``PACK_TOKENS``: 300 makes several forwards of it), and pads it under any other (``eager``), with
+    the 4-D mask built by itself for SDPA (padding_mask): either way every decision's logits and
+    value equal those of its sequence fed alone, for Llama, GPT-2 (learned positions: each packed
+    sequence from position 0) and Qwen2 (GQA) alike."""
+    import textrl.ppo.sequences as sequences_module
     from textrl.config import load_model_config
     from textrl.games.prompt import PromptBuilder
     from textrl.policy.model import SDPA, build_policy
@@ -331,6 +343,9 @@ def test_the_updates_batched_forward_computes_each_sequence_as_alone(name, layer
                                   PromptBuilder(tokenizer), Sampling(1.0, [0, 1, 2]))
     sequences = training_sequences(episodes).sequences
     assert len({len(s.input_ids) for s in sequences}) > 1  # unequal: padded, or packed at several offsets
+    monkeypatch.setattr(sequences_module, "PACK_TOKENS", pack_tokens)
+    packs = sequences_module.token_packs([len(s.input_ids) for s in sequences], pack_tokens)
+    assert (len(packs) > 1) == (pack_tokens < 2048)  # the small budget splits the batch, the default does not
     with torch.no_grad():
         together = decision_forward(policy, sequences, tokenizer.pad_token_id)
         alone = [decision_forward(policy, [s], tokenizer.pad_token_id) for s in sequences]

@@ -28,6 +28,11 @@ from textrl.policy.model import SDPA, PolicyValueModel
 from textrl.rollout import Episode
 
 
+# a packed forward's tokens at most: rows of a few hundred tokens leave the matrix units idle, rows
+# of several thousand spill the elementwise work's activations out of the caches (bench/packed_update.py)
+PACK_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class TrainingSequence:
     index: int  # its place in the iteration's sequences (PrefixOutputs keeps its recording there)
@@ -177,12 +182,13 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
     states, the forks' children, the tokens taken, the decisions' places) goes to the device in one
     copy (``ints_to_device``).
 
-    Under textrl's attention (``SDPA``) the sequences are packed: back to back in one row, each at
-    its own positions, each token attending to exactly the keys it attended to alone (its own
+    Under textrl's attention (``SDPA``) the sequences are packed: back to back in rows of up to
+    ``PACK_TOKENS`` tokens (a longer sequence alone), one forward each, every sequence at its own
+    positions and every token attending to exactly the keys it attended to alone (its own
     sequence's, less its cut turns: ``textrl.policy.speed.stream``, with each sequence's start a cut
-    that hides the ones before it). The linear layers then multiply every real token once, in one
+    that hides the ones before it). The linear layers then multiply a row's real tokens in one
     product, and no padding; attention stays one call per block of each sequence. Any other attention
-    runs the sequences right padded, causal over a padding mask built on the device.
+    runs the sequences as one right-padded batch, causal over a padding mask built on the device.
 
     With ``prefix``, a batch whose sequences all have a recorded frozen-block output skips the
     frozen blocks; any other batch runs in full and records it in ``prefix`` for later forwards."""
@@ -195,46 +201,74 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
     # where each sequence starts in the forward's flat [rows x width] tokens
     width = sum(lengths) if packed else max(lengths)
     starts = [sum(lengths[:r]) for r in range(len(batch))] if packed else [r * width for r in range(len(batch))]
+    # the forwards: consecutive sequences of up to PACK_TOKENS tokens each when packed, else one padded batch
+    packs = token_packs(lengths, PACK_TOKENS) if packed else [(0, len(batch))]
     allowed = [a for s in batch for a in s.allowed]
     ints = ints_to_device({
         "ids": [t for s in batch for t in s.input_ids + ([] if packed else [pad_id] * (width - len(s.input_ids)))],
         "positions": [c for n in lengths for c in range(n)] if packed else list(range(width)),
         "lengths": lengths,
         "at": [start + c for start, s in zip(starts, batch) for c in s.positions],  # the hidden state each decision reads
-        # each of those once: the last block's MLP runs there only (PolicyValueModel.last_mlp_at)
-        "read": sorted({start + c for start, s in zip(starts, batch) for c in s.positions}),
+        # each of those once, per forward: the last block's MLP runs there only (PolicyValueModel.last_mlp_at)
+        **{f"read{k}": sorted({start - starts[i] + c for start, s in zip(starts[i:j], batch[i:j]) for c in s.positions})
+           for k, (i, j) in enumerate(packs)},
         "chosen": [a.index(t) for a, t in zip(allowed, (t for s in batch for t in s.tokens))],
         "decisions": [k for s in batch for k in s.decisions],
         **fork_parts(allowed)}, device)
-    rows = 1 if packed else len(batch)
-    ids = ints["ids"].view(rows, width)
-    positions = ints["positions"][None].expand(rows, width)  # right padding: plain 0..n-1, as in the rollout
-    if packed:  # one stream: each sequence's start hides every token before it
-        drops = [Drop(start + d.at, start + d.start, start + d.stop) for start, s in zip(starts, batch) for d in s.drops]
-        drops += [Drop(start, 0, start) for start in starts[1:]]
-        # one sequence without cuts is one causal block: attended as such, with no layout
-        mask, extra = None, {"stream": StreamLayout.of([(width, tuple(drops))], device)} if drops else {}
-    else:
-        mask, extra = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None, {}
-    extra["read"] = ints["read"]
-    if prefix is None:
-        hidden, _ = policy.hidden(ids, mask, positions, **extra)
-    elif all(prefix.outputs[s.index] is not None for s in batch):
-        outputs = [prefix.outputs[s.index] for s in batch]
-        # padded: zeros at the padding, which causal attention keeps out of every real position
-        recorded = torch.cat(outputs)[None] if packed else torch.nn.utils.rnn.pad_sequence(outputs, batch_first=True)
-        with prefix.frozen.replay(recorded):
-            hidden, _ = policy.hidden(ids, mask, positions, **extra)
-    else:
-        with prefix.frozen.record() as recorded:
-            hidden, _ = policy.hidden(ids, mask, positions, **extra)
-        output = prefix.frozen.recorded_output(recorded).flatten(0, 1)
-        for start, s in zip(starts, batch):
-            prefix.outputs[s.index] = output[start: start + len(s.input_ids)].detach()
-    h = hidden.flatten(0, 1)[ints["at"]]
+    hidden = []
+    for k, (i, j) in enumerate(packs):
+        part, first = batch[i:j], starts[i]
+        if packed:  # one stream: each sequence's start hides every token before it
+            n = sum(lengths[i:j])
+            ids, positions = ints["ids"][first: first + n][None], ints["positions"][first: first + n][None]
+            drops = [Drop(start - first + d.at, start - first + d.start, start - first + d.stop)
+                     for start, s in zip(starts[i:j], part) for d in s.drops]
+            drops += [Drop(start - first, 0, start - first) for start in starts[i + 1: j]]
+            # one sequence without cuts is one causal block: attended as such, with no layout
+            mask, extra = None, {"stream": StreamLayout.of([(n, tuple(drops))], device)} if drops else {}
+        else:  # right padding: plain 0..n-1, as in the rollout
+            ids, positions = ints["ids"].view(len(batch), width), ints["positions"][None].expand(len(batch), width)
+            mask, extra = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None, {}
+        extra["read"] = ints[f"read{k}"]
+        hidden.append(_hidden(policy, part, [start - first for start in starts[i:j]], packed, prefix,
+                              ids, mask, positions, extra).flatten(0, 1))
+    h = (torch.cat(hidden) if len(hidden) > 1 else hidden[0])[ints["at"]]
     forks = Forks.on_device(allowed, ints)
     return ForkOutputs(policy.logits_of(h, forks.index), forks.valid, ints["chosen"], policy.value(h), sum(lengths),
                        ints["decisions"])
+
+
+def token_packs(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive sequences, as ``(first, stop)`` index ranges, of at most ``budget`` tokens each (a
+    longer sequence alone)."""
+    packs, first, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > first and total + n > budget:
+            packs.append((first, i))
+            first, total = i, 0
+        total += n
+    return packs + [(first, len(lengths))]
+
+
+def _hidden(policy: PolicyValueModel, part: list[TrainingSequence], starts: list[int], packed: bool,
+            prefix: PrefixOutputs | None, ids, mask, positions, extra) -> torch.Tensor:
+    """One forward of ``decision_forward`` over ``part`` (its sequences from ``starts`` in the packed
+    row, or rows of the padded batch): the last layer's hidden states, the frozen blocks replayed
+    from ``prefix`` where every sequence has a recording, else recorded into it."""
+    if prefix is None:
+        return policy.hidden(ids, mask, positions, **extra)[0]
+    if all(prefix.outputs[s.index] is not None for s in part):
+        outputs = [prefix.outputs[s.index] for s in part]
+        # padded: zeros at the padding, which causal attention keeps out of every real position
+        recorded = torch.cat(outputs)[None] if packed else torch.nn.utils.rnn.pad_sequence(outputs, batch_first=True)
+        with prefix.frozen.replay(recorded):
+            return policy.hidden(ids, mask, positions, **extra)[0]
+    with prefix.frozen.record() as recorded:
+        hidden, _ = policy.hidden(ids, mask, positions, **extra)
+    output = prefix.frozen.recorded_output(recorded).flatten(0, 1)
+    for start, s in zip(starts, part):
+        prefix.outputs[s.index] = output[start: start + len(s.input_ids)].detach()
+    return hidden
 
 
 def padding_mask(policy: PolicyValueModel, lengths: torch.Tensor, width: int) -> torch.Tensor:
