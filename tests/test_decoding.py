@@ -318,8 +318,8 @@ def test_the_decode_profile_counts_every_real_token_fed_and_the_games_time(tiny,
 
 
 @pytest.mark.parametrize("name, layers, attention, pack_tokens", [
-    ("tiny", {}, None, 2048), ("gpt2", {"n_layer": 2}, None, 2048), ("qwen", {"num_hidden_layers": 2}, None, 2048),
-    ("tiny", {}, None, 300), ("tiny", {}, "eager", 2048), ("gpt2", {"n_layer": 2}, "eager", 2048)])
+    ("tiny", {}, None, 1024), ("gpt2", {"n_layer": 2}, None, 1024), ("qwen", {"num_hidden_layers": 2}, None, 1024),
+    ("tiny", {}, None, 300), ("tiny", {}, "eager", 1024), ("gpt2", {"n_layer": 2}, "eager", 1024)])
 def test_the_updates_batched_forward_computes_each_sequence_as_alone(name, layers, attention, pack_tokens,
                                                                       easy_games, monkeypatch):
     """decision_forward packs a minibatch back to back under textrl's attention (in rows of up to
@@ -345,7 +345,7 @@ def test_the_updates_batched_forward_computes_each_sequence_as_alone(name, layer
     assert len({len(s.input_ids) for s in sequences}) > 1  # unequal: padded, or packed at several offsets
     monkeypatch.setattr(sequences_module, "PACK_TOKENS", pack_tokens)
     packs = sequences_module.token_packs([len(s.input_ids) for s in sequences], pack_tokens)
-    assert (len(packs) > 1) == (pack_tokens < 2048)  # the small budget splits the batch, the default does not
+    assert (len(packs) > 1) == (pack_tokens < 1024)  # the small budget splits the batch, the default does not
     with torch.no_grad():
         together = decision_forward(policy, sequences, tokenizer.pad_token_id)
         alone = [decision_forward(policy, [s], tokenizer.pad_token_id) for s in sequences]

@@ -28,9 +28,10 @@ from textrl.policy.model import SDPA, PolicyValueModel
 from textrl.rollout import Episode
 
 
-# a packed forward's tokens at most: rows of a few hundred tokens leave the matrix units idle, rows
-# of several thousand spill the elementwise work's activations out of the caches (bench/packed_update.py)
-PACK_TOKENS = 2048
+# a packed forward's tokens at most: rows of a few hundred tokens leave the matrix units idle, rows of
+# several thousand spill the elementwise work out of the caches; a sequence this long runs alone, as
+# before packing (bench/packed_update.py, bench/op_profile.py)
+PACK_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -224,8 +225,9 @@ def decision_forward(policy: PolicyValueModel, batch: list[TrainingSequence], pa
             drops = [Drop(start - first + d.at, start - first + d.start, start - first + d.stop)
                      for start, s in zip(starts[i:j], part) for d in s.drops]
             drops += [Drop(start - first, 0, start - first) for start in starts[i + 1: j]]
-            # one sequence without cuts is one causal block: attended as such, with no layout
-            mask, extra = None, {"stream": StreamLayout.of([(n, tuple(drops))], device)} if drops else {}
+            # a layout even for one sequence without cuts (one causal block): with it transformers builds
+            # no mask of its own, which would read the positions on the host (PolicyValueModel.hidden)
+            mask, extra = None, {"stream": StreamLayout.of([(n, tuple(drops))], device)}
         else:  # right padding: plain 0..n-1, as in the rollout
             ids, positions = ints["ids"].view(len(batch), width), ints["positions"][None].expand(len(batch), width)
             mask, extra = padding_mask(policy, ints["lengths"], width) if min(lengths) < width else None, {}
