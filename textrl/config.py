@@ -137,7 +137,7 @@ class PPOConfig:
     gamma: float = 0.99
     lam: float = 0.95
     epochs: int = 2  # passes over each rollout
-    # sequences per forward, packed back to back (up to 1,024 tokens a forward: sequences.PACK_TOKENS)
+    # sequences per forward, packed back to back (at most textrl.ppo.sequences.PACK_TOKENS tokens a forward)
     minibatch_size: int = 4
     grad_accum: int = 1  # forwards per optimizer step
     max_grad_norm: float = 1.0  # clips the LM's gradient norm and, separately, the value head's
