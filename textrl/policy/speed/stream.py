@@ -147,5 +147,5 @@ def stream_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         end = row[-1][1] if row else 0
         if end < width:
             parts.append(query.new_zeros(1, heads, width - end, dim, dtype=parts[0].dtype if parts else query.dtype))
-        out.append(torch.cat(parts, dim=2))
-    return torch.cat(out).transpose(1, 2).contiguous()
+        out.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])  # one block: no copy
+    return (torch.cat(out) if len(out) > 1 else out[0]).transpose(1, 2).contiguous()
