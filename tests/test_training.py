@@ -15,7 +15,8 @@ import textrl.cli.train as cli
 from tests.conftest import SMALL, Snapshot, StopAfter, config, read_metrics, table
 from textrl.config import CONF_DIR
 from textrl.policy.model import build_policy
-from textrl.ppo.sequences import decision_forward
+import textrl.ppo.sequences as sequences_module
+from textrl.ppo.sequences import decision_forward, token_packs
 from textrl.rollout import Sampling, episode_seeds, play_games
 from textrl.training.callbacks import AtomicCheckpointIO
 from textrl.training.module import PPOModule
@@ -65,7 +66,7 @@ def rollout(cfg, games, iteration=0):
 
 @pytest.mark.parametrize("history, keep", [(8, ""), (2, ""), (3, "look,inventory,examine,go,open,take")],
                          ids=["whole-history", "cut-history", "cut-keeping-answers"])
-def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool, history, keep):
+def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool, monkeypatch, history, keep):
     """history 2: from the third turn on every prompt cuts the oldest turn, which the decoder drops
     from its cache (textrl.policy.speed.stream): the update's forward over the stream must hide it too.
     Keeping answers (env.keep_answers), a cut can pass over a middle turn: two stretches go, which the
@@ -74,6 +75,10 @@ def test_first_minibatch_ratio_is_one_for_every_decision(tmp_path, easy_pool, hi
                                   f"env.keep_answers=[{keep}]"), easy_pool.games("train", 4))
     assert any(s.drops for s in data.sequences) == (history < 8)
     first = sorted(data.sequences, key=lambda s: -len(s.drops))[:2]
+    # both in one packed forward, whatever their lengths: the second's cuts shifted behind the first
+    lengths = [len(s.input_ids) for s in first]
+    monkeypatch.setattr(sequences_module, "PACK_TOKENS", sum(lengths))
+    assert token_packs(lengths, sequences_module.PACK_TOKENS) == [(0, 2)]
     with torch.no_grad():
         terms, _ = update.loss(first, data, 1.0)
         out = decision_forward(update.policy, first, update.pad_id)

@@ -174,18 +174,21 @@ def test_no_evaluation_game_is_played_in_warm_start_or_training(tmp_path, monkey
 
 
 @pytest.mark.parametrize("memory", ["none", "bf16"])
+@pytest.mark.parametrize("minibatch", [1, 4], ids=["alone", "packed"])
 def test_the_cloning_runs_the_frozen_blocks_once_per_sequence_and_learns_the_same_weights(tmp_path, monkeypatch,
-                                                                                          memory):
+                                                                                          memory, minibatch):
     """Under ``ppo.cache_frozen`` the cloning records the frozen blocks' output at each sequence's first
     forward and replays it in every later pass: the lowest block runs once per sequence (and for the
     probability probes), not at every step, and the cloned weights are bit for bit those of running
-    every block at every step."""
+    every block at every step. Packed (``ppo.minibatch_size=4``: a step's 4 sequences in one forward),
+    the first step records all four in one forward and each later step replays them in its own
+    shuffled order, each sequence's recording cut out of the pack it was recorded in."""
     weights, runs, made = {}, {}, []
     real = ws.training_sequences
     monkeypatch.setattr(ws, "training_sequences", lambda episodes: made.append(real(episodes)) or made[-1])
     for cache in (True, False):
         cfg = config(tmp_path / str(cache), f"memory={memory}", "model.trainable_layers=1", "warm_start.steps=6",
-                     "warm_start.games=4", "warm_start.batch=4", "ppo.minibatch_size=1",
+                     "warm_start.games=4", "warm_start.batch=4", f"ppo.minibatch_size={minibatch}",
                      f"ppo.cache_frozen={str(cache).lower()}")
         policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
         calls = []
@@ -198,7 +201,9 @@ def test_the_cloning_runs_the_frozen_blocks_once_per_sequence_and_learns_the_sam
         weights[cache] = {n: p.detach().clone() for n, p in policy.lm.named_parameters() if p.requires_grad}
         runs[cache] = len(calls)
     sequences = len(made[-1].sequences)
-    probes = 2 * min(sequences, ws.PROBE_SEQUENCES)  # before and after, one forward per sequence (ppo.minibatch_size=1)
-    assert runs[False] == 6 * 4 + probes and runs[True] == sequences + probes < runs[False]
+    assert sequences == 4  # every step takes all four, in a new order each pass
+    forwards = 4 // minibatch  # per step: one per sequence, or one packed forward of the four
+    probes = 2 * math.ceil(min(sequences, ws.PROBE_SEQUENCES) / minibatch)  # before and after, in full
+    assert runs[False] == 6 * forwards + probes and runs[True] == forwards + probes < runs[False]
     assert weights[True].keys() == weights[False].keys()
     assert all(torch.equal(weights[True][n], weights[False][n]) for n in weights[False])
