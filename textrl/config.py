@@ -124,8 +124,8 @@ ADVANTAGES = {"gae", "grpo", "rloo", "gigpo"}  # ppo.advantage: textrl/ppo/advan
 @dataclass
 class PPOConfig:
     """The CPU sizing (``ppo=cpu``, the default); ``ppo=blog`` sets the blog post's GPU values. A CPU
-    run makes few optimizer steps, hence the larger learning rates, 2 epochs and one sequence per
-    forward (padding is pure waste on a CPU)."""
+    run makes few optimizer steps, hence the larger learning rates, 2 epochs and a minibatch packed
+    into one forward without padding (padding is pure waste on a CPU)."""
 
     lr_lm: float = 1e-4
     lr_lm_min: float = 1e-5  # cosine decay floor, reached at the last iteration
