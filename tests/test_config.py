@@ -169,14 +169,14 @@ def test_each_cloning_then_ppo_recipe_is_its_measured_run(experiment, result_fil
 
 
 def test_the_easy_cloning_recipe_is_its_measured_run():
-    """experiment=easy_clone512_cpu is the run whose figures its file and the README give for it: the
-    default with the recipe's cloning, pool and evaluation as overrides (its three seeds' recorded
-    configs), measured before it had a name."""
+    """experiment=easy_clone512_cpu is the run whose figures its file and the README give for it (its
+    three seeds' recorded configs): the default with the recipe's cloning, pool, evaluation and 12
+    iterations."""
     recipe = composed(["experiment=easy_clone512_cpu"])
     assert (recipe["warm_start"]["steps"], recipe["warm_start"]["games"], recipe["env"]["pool_size"]) == (128, 512, 512)
-    for recorded in recorded_configs("learn_easy68_ws512x2_default.json"):
-        assert recorded["experiment"] is None
-        recorded["experiment"] = "easy_clone512_cpu"
+    assert recipe["iterations"] == 12
+    for recorded in recorded_configs("learn_easy_clone512_it12_default.json"):
+        assert recorded["experiment"] == "easy_clone512_cpu"
         assert {k: recipe[k] for k in recorded} == recorded
 
 
