@@ -5,7 +5,8 @@ alternating rounds in one process, and whether every game's result is the same a
     python bench/eval_batch.py --checkpoint RUN/checkpoints/last.ckpt --out bench/results/eval_batch_easy.json
 
 A batch is played until its last game ends (won, lost or at the step limit), so a game that loops
-holds the rows that finished beside it; fewer, larger batches let those waits overlap."""
+holds the rows that finished beside it; larger batches overlap those waits but decode longer calls:
+which wins is a measurement per machine and setting."""
 
 from __future__ import annotations
 
