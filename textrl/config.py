@@ -81,7 +81,9 @@ class EnvConfig:
     # each training game is played this many times per iteration: the groups grpo|rloo|gigpo compare
     group_size: int = 1
     repeatable: bool = False  # True: the same training games every iteration
-    pool_size: int = 256  # fresh mode: training games each iteration's games are drawn from
+    # fresh mode: training games each iteration's games are drawn from; the warm start's 512, so PPO plays the
+    # games whose walkthroughs it cloned (docs/results.md, "The default: PPO on the games it cloned")
+    pool_size: int = 512
     max_steps: int = 8  # the episode's step limit
     step_penalty: float = 0.1
     win_bonus: float = 1.0
