@@ -41,8 +41,9 @@ its result entry); a resume that would change the overrides is refused, and one 
     python bench/learn.py --from-stored bench/results/learn_medium68_ws1024_default.json ... --out bench/results/recipes.json
 
 puts result files side by side: each one's held-out wins (mean and std over seeds, and the 95%
-Wilson interval of that mean over the held-out games: the seeds play the same games) and its
-minutes to each win rate. Runs written before these minutes were recorded kept the evaluation
+Wilson interval of that mean over the held-out games: the seeds play the same games), its
+minutes to each win rate and each run's episodes (``episodes``: walkthroughs cloned, PPO episodes,
+and those played before each win rate was reached). Runs written before these minutes were recorded kept the evaluation
 curve, each phase's mean seconds per iteration and the total minutes, not the seconds of each
 iteration: their figures are estimates (each iteration and each evaluation taken at its mean).
 """
@@ -78,8 +79,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # env.goal_last=true since the easy ablation chose it; the easy12 files were measured before, when
 # it was false (each run records its commit: check that commit out to reproduce one), and there
 # "goal_last" was the lever and "default" the objective in the system message only. Since 2026-11-28
-# the default clones 256 training walkthroughs before PPO (warm_start.steps=64); every earlier file
-# measured RL alone: "rl_alone" is that default, and the levers below sit on the warm start now.
+# the default clones training walkthroughs before PPO (256 in one pass with 24 iterations, since 2026-12-07
+# 512 in two passes with 12); every earlier file measured RL alone: "rl_alone" is that default, and the
+# levers below sit on the warm start now.
 CONFIGS = {
     "default": [],
     "goal_first": ["env.goal_last=false"],  # the objective in the system message only (the blog post's prompt)
@@ -91,8 +93,8 @@ CONFIGS = {
     "kl": ["ppo.kl_coef=0.05"],
     "explore": ["ppo.explore=0.1"],  # 10 % uniform over each fork's children
     # the default until 68aee23 (2026-11-28): no warm start, no anchor, rewards from the game's score only
-    "rl_alone": ["warm_start.steps=0", "ppo.kl_coef=0"],
-    # the first warm start measured: 2 passes over 64 training walkthroughs (the default: 256), then
+    "rl_alone": ["warm_start.steps=0", "ppo.kl_coef=0", "iterations=24"],
+    # the first warm start measured: 2 passes over 64 training walkthroughs (the default: 512), then
     # PPO without the anchor, as measured then and on 2026-11-28 (learn_easy24_rule_warm16_warm_start.json)
     "warm_start": ["warm_start.steps=16", "warm_start.games=64", "ppo.kl_coef=0"],
     "list_commands": ["env.list_commands=true"],  # admissible commands shown in the prompt
@@ -230,10 +232,27 @@ def reached(runs: list[dict]) -> dict[str, dict]:
     return out
 
 
+def episodes(run: dict, curve: list[list[float]]) -> dict | None:
+    """What a stored run played, from its recorded config: the training walkthroughs its warm start
+    cloned, its PPO episodes (each of ``env.num_envs`` environments plays one an iteration), and the
+    PPO episodes played before the first evaluation of ``curve`` that reached each win rate (0 where
+    the cloned start did; None where none did). None for a run that recorded no config."""
+    cfg = run.get("resolved")
+    if not cfg:
+        return None
+    per_iteration = cfg["env"]["num_envs"]
+    warm = cfg.get("warm_start", {"steps": 0})  # files from before the warm start: RL alone
+    return {"walkthroughs": warm["games"] if warm["steps"] else 0,
+            "ppo": run["iterations"] * per_iteration,
+            "ppo_to_win_rate": {str(t): next((int(k) * per_iteration for k, _, win in curve if win >= t - 1e-9), None)
+                                for t in THRESHOLDS}}
+
+
 def from_stored(path: Path) -> dict:
     """A result file's figures side by side with every other's: the held-out wins with their interval
-    (``win_rate``) and the minutes to each win rate, as its runs recorded them or, for runs written
-    before they were, estimated from their stored means (``stored_eval_minutes``)."""
+    (``win_rate``), the minutes to each win rate, as its runs recorded them or, for runs written
+    before they were, estimated from their stored means (``stored_eval_minutes``), and the episodes
+    each run played (``episodes``)."""
     data = json.loads(path.read_text())
     runs = []
     for run in data.get("runs", [data]):  # learn_cpu.json: one run, the file itself
@@ -243,7 +262,7 @@ def from_stored(path: Path) -> dict:
             curve = stored_eval_minutes(run)
             clock, to = CLOCKS["stored_means"], minutes_to(curve)
         runs.append({"seed": run.get("seed"), "minutes": run["minutes"], "clock": clock, "eval_minutes": curve,
-                     "minutes_to_win_rate": to})
+                     "minutes_to_win_rate": to, "episodes": episodes(run, curve)})
     out = {"file": str(path), "minutes": mean_std([r["minutes"] for r in runs]),
            "minutes_to_win_rate": reached(runs), "runs": runs}
     if "eval_games" in data:

@@ -116,6 +116,24 @@ def test_stored_files_side_by_side_keep_the_minutes_their_runs_recorded(tmp_path
     assert win_rate([1.0], 64)["ci95"][1] == 1.0 and win_rate([0.0], 64)["ci95"][0] == 0.0
 
 
+def test_stored_runs_count_the_walkthroughs_and_the_ppo_episodes_to_each_win_rate(tmp_path):
+    """Each environment plays one episode an iteration: PPO episodes are iterations x env.num_envs, and
+    those before the first evaluation reaching a win rate are its iteration x env.num_envs (0 at the
+    cloned start); RL alone clones no walkthrough; a run that recorded no config counts nothing."""
+    def run(steps, curve):
+        return {"seed": 1, "minutes": 10.0, "iterations": 12, "eval_minutes": curve, "clock": "wall",
+                "minutes_to_win_rate": {"0.5": 1.0}, "eval_curve": [],
+                "resolved": {"env": {"num_envs": 16}, "warm_start": {"steps": steps, "games": 512}}}
+    path = tmp_path / "learn_x_default.json"
+    path.write_text(json.dumps({"runs": [run(128, [[0, 4.0, 0.84], [6, 6.0, 0.95], [12, 9.0, 0.97]]),
+                                         run(0, [[0, 1.0, 0.0], [6, 5.0, 0.6], [12, 9.0, 0.85]]),
+                                         {k: v for k, v in run(0, [[12, 9.0, 0.5]]).items() if k != "resolved"}]}))
+    cloned, rl_alone, unrecorded = (r["episodes"] for r in from_stored(path)["runs"])
+    assert cloned == {"walkthroughs": 512, "ppo": 192, "ppo_to_win_rate": {"0.5": 0, "0.8": 0, "0.9": 96}}
+    assert rl_alone == {"walkthroughs": 0, "ppo": 192, "ppo_to_win_rate": {"0.5": 96, "0.8": 192, "0.9": None}}
+    assert unrecorded is None
+
+
 def test_out_without_stored_files_is_refused(capsys):
     """--out only writes what --from-stored reads: alone it would write nothing, so it is refused."""
     with pytest.raises(SystemExit):

@@ -251,7 +251,7 @@ class TrainConfig:
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     experiment: Optional[str] = None  # name of the experiment (set by conf/experiment/*), groups sweeps
     seed: int = 0
-    iterations: int = 12  # PPO iterations (rollout + update each); easy's held-out curve is flat after 12
+    iterations: int = 12  # PPO iterations (rollout + update each)
     threads: Optional[int] = None  # torch CPU threads; None keeps torch's default
     cache_dir: Optional[str] = None  # games and converted models; None: $TEXTRL_CACHE or ~/.cache/textrl
     output_dir: str = MISSING  # the run directory (train.yaml sets it to Hydra's output dir)
