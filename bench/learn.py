@@ -43,9 +43,10 @@ its result entry); a resume that would change the overrides is refused, and one 
 puts result files side by side: each one's held-out wins (mean and std over seeds, and the 95%
 Wilson interval of that mean over the held-out games: the seeds play the same games), its
 minutes to each win rate and each run's episodes (``episodes``: walkthroughs cloned, PPO episodes,
-and those played before each win rate was reached). Runs written before these minutes were recorded kept the evaluation
-curve, each phase's mean seconds per iteration and the total minutes, not the seconds of each
-iteration: their figures are estimates (each iteration and each evaluation taken at its mean).
+and those played before each win rate was reached). Runs written before these minutes were
+recorded kept the evaluation curve, each phase's mean seconds per iteration and the total minutes,
+not the seconds of each iteration: their figures are estimates (each iteration and each evaluation
+taken at its mean).
 """
 
 from __future__ import annotations
