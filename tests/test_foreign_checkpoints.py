@@ -117,7 +117,7 @@ def test_resuming_from_another_models_checkpoint_fails_like_model_init_from(trai
 # options removed from textrl (not adopted), as checkpoints written before their removal store them
 REMOVED_OFF = {"ppo.value_steps_left": False, "ppo.explore_decay": 1.0, "env.shaping": 0.0, "env.repeat_penalty": 0.0,
                "self_imitation": {"episodes": 0, "games": 64}, "ppo.value_warmup": 0,
-               "ppo.step_budget": None}
+               "ppo.step_budget": None, "model.detach_value": True}
 
 
 def test_a_checkpoint_written_with_the_removed_options_off_reads_as_todays(trained, tmp_path):
@@ -139,6 +139,7 @@ def test_a_checkpoint_written_with_the_removed_options_off_reads_as_todays(train
     ("ppo.explore_decay", 0.75, "ppo.explore_decay=0.75"),
     ("ppo.value_warmup", 2, "ppo.value_warmup=2"),
     ("ppo.step_budget", 2.0, "ppo.step_budget=2.0"),
+    ("model.detach_value", False, "model.detach_value=false"),
 ])
 def test_resuming_a_run_trained_with_a_removed_option_is_refused_naming_it(trained, tmp_path, key, value, shown):
     older = crafted(trained["last"], tmp_path / "older.ckpt", **{**REMOVED_OFF, key: value})

@@ -59,9 +59,8 @@ class ModelConfig:
     trainable_layers: Optional[int] = 6
     # start from another run's checkpoint (same model and LoRA), with a new optimizer and schedules
     init_from: Optional[str] = None
-    value_hidden: int = 128  # width of the value head's hidden layer
-    # the value head reads detached hidden states, so its loss cannot pull the LM's representations
-    detach_value: bool = True
+    # width of the value head's hidden layer; the head reads detached hidden states (textrl.policy.model)
+    value_hidden: int = 128
 
 
 @dataclass

@@ -69,7 +69,7 @@ def read_checkpoint(path: str | Path, option: str = "ckpt_path") -> tuple[Path, 
 # with the value that leaves it off (a checkpoint written with it off reads as today's)
 REMOVED_OPTIONS = {"ppo.value_steps_left": False, "ppo.explore_decay": 1.0, "env.shaping": 0.0,
                    "env.repeat_penalty": 0.0, "self_imitation.episodes": 0, "ppo.value_warmup": 0,
-                   "ppo.step_budget": None}
+                   "ppo.step_budget": None, "model.detach_value": True}
 REMOVED_GROUPS = ("self_imitation",)  # removed with every key in them
 
 
@@ -128,7 +128,7 @@ def stored_config(state: dict) -> TrainConfig:
 
 
 # what a checkpoint's model settings decide: the shape and initialisation of the weights it holds
-WEIGHT_SETTINGS = ("trainable_layers", "value_hidden", "detach_value", "init_seed", "architecture")
+WEIGHT_SETTINGS = ("trainable_layers", "value_hidden", "init_seed", "architecture")
 # where a model's files come from: the model option's, or a directory the user gives
 MODEL_LOCATIONS = ("source", "hub_id", "path", "gguf_package", "gguf_file", "tokenizer_from")
 

@@ -326,11 +326,10 @@ class ValueHead(nn.Module):
 class PolicyValueModel(nn.Module):
     """Causal LM + value head. ``hidden`` runs the LM; ``logits`` and ``value`` read its output."""
 
-    def __init__(self, lm: nn.Module, value_hidden: int = 128, value_bias: float = -0.1, detach_value: bool = True):
+    def __init__(self, lm: nn.Module, value_hidden: int = 128, value_bias: float = -0.1):
         super().__init__()
         self.lm = lm
         self.value_head = ValueHead(lm.config.get_text_config().hidden_size, value_hidden, value_bias)
-        self.detach_value = detach_value
 
     def new_cache(self):
         from transformers import DynamicCache  # slow import: see load_lm
@@ -444,8 +443,10 @@ class PolicyValueModel(nn.Module):
         return torch.matmul(head.weight[index], hidden.unsqueeze(-1)).squeeze(-1).float()
 
     def value(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The value read from ``hidden``."""
-        return self.value_head(hidden.detach() if self.detach_value else hidden).float()
+        """The value read from ``hidden``, detached: the value loss trains the head alone and cannot
+        pull the LM's representations (a head whose loss also trained the top blocks predicted no
+        better on medium: docs/results.md, "Medium: the value head attached to the trunk")."""
+        return self.value_head(hidden.detach()).float()
 
     def weights_cast_once(self):
         """The context in which, under autocast, the linear layers compute on weights cast to the
@@ -488,7 +489,7 @@ def build_policy(cfg: ModelConfig, step_penalty: float = 0.1, cache_dir: str | P
         freeze_below_top_layers(lm, cfg.trainable_layers)
     if memory is not None:
         lm = apply_memory(lm, memory)
-    policy = PolicyValueModel(lm, cfg.value_hidden, -step_penalty, cfg.detach_value)
+    policy = PolicyValueModel(lm, cfg.value_hidden, -step_penalty)
     if quantization is not None:  # the LM was loaded onto its device: the value head joins it
         policy.value_head.to(next(lm.parameters()).device)
     return policy, tokenizer
