@@ -211,6 +211,9 @@ class EvalConfig:
     temperature: Optional[float] = None
 
 
+WARM_START_SOURCES = ("walkthrough", "random_play")
+
+
 @dataclass
 class WarmStartConfig:
     """Behaviour cloning on training games' walkthroughs before PPO (textrl/training/warm_start.py)."""
@@ -220,6 +223,10 @@ class WarmStartConfig:
     # "Easy: what the held-out losses are, and what reads them")
     steps: int = 128
     games: int = 512  # training games whose walkthroughs are replayed (the first N of the train split)
+    # what is cloned: "walkthrough" (each game's own) or "random_play" (RL alone: each game's first win by uniformly
+    # random play, loops erased; textrl/training/random_play.py)
+    source: str = "walkthrough"
+    tries: int = 8  # random_play: episodes of random play per game, until one wins
     batch: int = 8  # walkthrough sequences per optimizer step (split into ppo.minibatch_size forwards)
     lr: float = 1e-4  # LM learning rate (constant); the value head is not trained here
 
@@ -371,8 +378,9 @@ def _check_iterations(cfg: TrainConfig) -> None:
     _check("iterations", cfg.iterations, cfg.iterations >= 1 or (cfg.iterations == 0 and w.steps > 0),
            "an integer >= 1 (0 only with warm_start.steps > 0: a warm start alone)")
     _check("warm_start.steps", w.steps, w.steps >= 0, "an integer >= 0")
-    for key in ["games", "batch"]:
+    for key in ["games", "batch", "tries"]:
         _check(f"warm_start.{key}", getattr(w, key), getattr(w, key) >= 1, "an integer >= 1")
+    _check("warm_start.source", w.source, w.source in WARM_START_SOURCES, " or ".join(WARM_START_SOURCES))
     _check("warm_start.lr", w.lr, math.isfinite(w.lr) and w.lr > 0, "a number > 0")
 
 

@@ -43,6 +43,7 @@ from textrl.policy.model import PolicyValueModel
 from textrl.policy.speed import FrozenPrefix
 from textrl.ppo.skipped_steps import SkippedSteps
 from textrl.ppo.sequences import PrefixOutputs, TrainingSequence, decision_forward, training_sequences
+from textrl.training.random_play import explore
 from textrl.rollout import Episode, replay_commands
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,30 @@ def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainCo
         else:
             skipped.append(str(game))
     return kept, skipped
+
+
+def random_play_episodes(games: list[Path], prompts: PromptBuilder,
+                         cfg: TrainConfig) -> tuple[list[Episode], list[str], dict[str, float]]:
+    """Each game's first win by uniformly random play, loops erased (``textrl.training.random_play``),
+    as an episode of forced actions; (the wins kept, the games with none, the exploration's figures)."""
+    started = time.perf_counter()
+    found = [explore(game, cfg.env, prompts, cfg.seed, cfg.warm_start.tries) for game in games]
+    kept = [f.episode for f in found if f.episode is not None]
+    skipped = [str(game) for game, f in zip(games, found) if f.episode is None]
+    won = [f for f in found if f.played]
+    figures = {
+        "warm_start/random_wins": float(len(kept)),  # the wins cloned
+        "warm_start/random_episodes": float(sum(f.episodes for f in found)),  # episodes of random play
+        # turns of the first wins as played, and of the cloned ones after loop erasure
+        "warm_start/random_win_turns": sum(f.played for f in won) / max(len(won), 1),
+        "warm_start/cloned_turns": sum(e.length for e in kept) / max(len(kept), 1),
+        "warm_start/random_play_seconds": time.perf_counter() - started,
+    }
+    log.info("warm start: random play won %d of %d training games in %d episodes (%d turns a win as played, %.1f "
+             "after loop erasure; %d wins whose erased list did not win dropped), %.0f s", len(won), len(games),
+             figures["warm_start/random_episodes"], figures["warm_start/random_win_turns"],
+             figures["warm_start/cloned_turns"], len(won) - len(kept), figures["warm_start/random_play_seconds"])
+    return kept, skipped, figures
 
 
 def _decision_logprobs(policy: PolicyValueModel, batch: list[TrainingSequence], pad_id: int,
@@ -166,15 +191,23 @@ def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[st
     policy.to(fabric.device)
     prompts = PromptBuilder.for_env(tokenizer, e)
     games = GamePool(GameSpec.from_env(e), cache_dir=cfg.cache_dir, workers=e.workers).games("train", w.games)
-    episodes, skipped = walkthrough_episodes(games, prompts, cfg)
-    if skipped:
-        log.warning("warm start: %d of %d walkthroughs skipped (a command not admissible, or no win "
-                    "within the step limit): %s", len(skipped), len(games), ", ".join(skipped[:5]))
+    if w.source == "random_play":
+        episodes, skipped, found = random_play_episodes(games, prompts, cfg)
+    else:
+        episodes, skipped = walkthrough_episodes(games, prompts, cfg)
+        found = {"warm_start/walkthroughs": float(len(episodes))}
+        if skipped:
+            log.warning("warm start: %d of %d walkthroughs skipped (a command not admissible, or no win "
+                        "within the step limit): %s", len(skipped), len(games), ", ".join(skipped[:5]))
     sequences = training_sequences(episodes).sequences
     # the turn of each decision, in the order the sequences hold them
     steps = [step for episode in episodes for step in episode.steps]
     turns = [t for t, step in enumerate(steps) for _ in step.action.decisions]
     if not sequences:
+        if w.source == "random_play":
+            raise ConfigError(f"warm_start.source=random_play: none of the {len(games)} training games of env={e.name} "
+                              f"was won in warm_start.tries={w.tries} episodes of random play (loops erased); "
+                              "raise warm_start.tries or warm_start.games")
         raise ConfigError(f"warm_start.steps={w.steps}: none of the {len(games)} walkthroughs of env="
                           f"{e.name} wins within its step limit; raise env.max_steps or set warm_start.steps=0")
     pad_id = tokenizer.pad_token_id
@@ -187,7 +220,7 @@ def warm_start(policy: PolicyValueModel, tokenizer, cfg: TrainConfig) -> dict[st
     losses, skipped_steps = _clone_walkthroughs(policy, sequences, fabric, optimizer, cfg, pad_id)
     prob_end = command_probability(policy, probe, pad_id, fabric, turns, mb)
     figures = {
-        "warm_start/walkthroughs": float(len(episodes)), "warm_start/skipped": float(len(skipped)),
+        **found, "warm_start/skipped": float(len(skipped)),
         "warm_start/decisions": float(len(turns)), "warm_start/loss_first": losses[0] if losses else float("nan"),
         "warm_start/loss_last": losses[-1] if losses else float("nan"),
         "warm_start/command_prob_start": prob_start, "warm_start/command_prob_end": prob_end,
