@@ -243,7 +243,10 @@ def episodes(run: dict, curve: list[list[float]]) -> dict | None:
         return None
     per_iteration = cfg["env"]["num_envs"]
     warm = cfg.get("warm_start", {"steps": 0})  # files from before the warm start: RL alone
-    return {"walkthroughs": warm["games"] if warm["steps"] else 0,
+    # RL alone by random play: no walkthrough; the episodes of random play that found the wins it cloned
+    random_play = warm["steps"] and warm.get("source") == "random_play"
+    played = {"random_play": int(run["warm_start"]["warm_start/random_episodes"])} if random_play else {}
+    return {"walkthroughs": warm["games"] if warm["steps"] and not random_play else 0, **played,
             "ppo": run["iterations"] * per_iteration,
             "ppo_to_win_rate": {str(t): next((int(k) * per_iteration for k, _, win in curve if win >= t - 1e-9), None)
                                 for t in THRESHOLDS}}

@@ -312,3 +312,14 @@ def test_food_split_groups_a_recipe_by_what_training_showed():
     # one new food beside a seen one is not a recipe of new foods
     assert group_of([("carrot", "fried", "diced"), ("pepper", "raw", "uncut")], foods, prepared) \
         == "seen food, unseen preparation"
+
+
+def test_a_random_play_run_counts_its_random_episodes_and_no_walkthrough(tmp_path):
+    run = {"seed": 1, "minutes": 10.0, "iterations": 12, "eval_minutes": [[0, 4.0, 0.6], [12, 9.0, 0.85]],
+           "clock": "wall", "minutes_to_win_rate": {"0.5": 4.0}, "eval_curve": [],
+           "warm_start": {"warm_start/random_episodes": 4321.0},
+           "resolved": {"env": {"num_envs": 32}, "warm_start": {"steps": 128, "games": 1024, "source": "random_play"}}}
+    path = tmp_path / "learn_x_default.json"
+    path.write_text(json.dumps({"runs": [run]}))
+    assert from_stored(path)["runs"][0]["episodes"] == {
+        "walkthroughs": 0, "random_play": 4321, "ppo": 384, "ppo_to_win_rate": {"0.5": 0, "0.8": 384, "0.9": None}}

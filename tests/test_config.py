@@ -63,6 +63,8 @@ def recorded_configs(result_file: str):
     recorded = [without_inert_keys(without_removed_options(config)) for config in recorded]
     for config in recorded:  # keys added since, at the value that plays as the runs did
         config["eval"].setdefault("temperature", None)  # no sampled evaluation beside greedy
+        if config["warm_start"]["steps"]:
+            config["warm_start"].setdefault("source", "walkthrough")  # the walkthroughs cloned
         # the old default's 4 sequences an optimizer step, 1 per forward: the same steps over the same
         # sequences as the new default's 4 in one packed forward (test_training.py pins that the split
         # leaves a step's gradient as it is)
@@ -74,9 +76,11 @@ def recorded_configs(result_file: str):
 def without_inert_keys(config: dict) -> dict:
     """Keys that play no part in a run, so that a default of theirs changing since leaves the run as it
     was: with ``warm_start.steps=0`` (RL alone) no walkthrough is replayed or generated, so the warm
-    start's other keys; with ``env.repeatable`` the same games every iteration, so ``env.pool_size``."""
+    start's other keys, and cloning walkthroughs, random play's ``warm_start.tries``; with ``env.repeatable`` the same games every iteration, so ``env.pool_size``."""
     if config["warm_start"]["steps"] == 0:
         config["warm_start"] = {"steps": 0}
+    elif config["warm_start"].get("source", "walkthrough") == "walkthrough":  # no random play: its tries
+        config["warm_start"].pop("tries", None)
     if config["env"]["repeatable"]:
         config["env"].pop("pool_size", None)
     return config

@@ -3,14 +3,16 @@
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 import textrl.cli.train as cli
+import textrl.training.random_play as rp
 import textrl.training.warm_start as ws
-from textrl.games.pool import EVAL_SEED_BASE, GamePool
+from textrl.games.pool import EVAL_SEED_BASE, GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.distribution import fork_logprobs, mix_uniform
 from textrl.policy.model import build_policy, transformer_blocks
@@ -207,3 +209,83 @@ def test_the_cloning_runs_the_frozen_blocks_once_per_sequence_and_learns_the_sam
     assert runs[False] == 6 * forwards + probes and runs[True] == forwards + probes < runs[False]
     assert weights[True].keys() == weights[False].keys()
     assert all(torch.equal(weights[True][n], weights[False][n]) for n in weights[False])
+
+
+# ---- warm_start.source=random_play: wins found by random play, loops erased ----------------------------
+
+def test_loop_erasure_cuts_each_return_to_a_state_back_to_its_first_visit():
+    a, b, c, d, e = (("room " + r, "carrying nothing") for r in "ABCDE")
+    # A -> B -> C -> back at B: [A, B] -> D -> back at A: [A] -> E
+    assert rp.loop_erased(["a1", "b1", "c1", "b2", "d1", "a2", "e1"], [a, b, c, b, d, a, e]) == ["a2", "e1"]
+    assert rp.loop_erased(["x", "y", "z"], [a, b, c]) == ["x", "y", "z"]  # no return: nothing cut
+    # the same room with another inventory is another state
+    assert rp.loop_erased(["take key", "go east"], [a, (a[0], "a key")]) == ["take key", "go east"]
+
+
+def test_random_play_clones_a_win_it_found_itself_without_loops_the_same_way_every_time(tiny, monkeypatch):
+    """On real medium games: each kept episode won, replayed as the turns a rollout records, its
+    commands a loop-erased random win (no state shown twice), no longer than the win as played;
+    exploring again with the same seed finds the same win, another seed another one somewhere, and
+    only training games are opened."""
+    _, tokenizer = tiny
+    cfg = config("unused", "env=medium")
+    prompts = PromptBuilder.for_env(tokenizer, cfg.env)
+    opened = []
+    real_open = rp.open_game
+    monkeypatch.setattr(rp, "open_game", lambda game, env: opened.append(str(game)) or real_open(game, env))
+    games = GamePool(GameSpec.from_env(cfg.env)).games("train", 4)
+    found = [rp.explore(game, cfg.env, prompts, seed=1, tries=8) for game in games]
+    kept = [f for f in found if f.episode is not None]
+    assert kept, "random play won none of 4 medium games in 8 episodes each"
+    for f in kept:
+        episode = f.episode
+        assert episode.won and episode.steps[-1].terminated and 1 <= f.episodes <= 8
+        assert episode.length <= f.played
+        states = [step.observation.state for step in episode.steps]
+        assert len(set(states)) == len(states)  # loop-free: no state shown twice
+        for step in episode.steps:
+            trie = prompts.trie(step.observation)
+            assert step.action.command_ids == trie.commands[step.action.command]
+    assert any(f.played > f.episode.length for f in kept)  # a random win with loops, cut
+    again = [rp.explore(game, cfg.env, prompts, seed=1, tries=8) for game in games]
+    commands = [[s.action.command for s in f.episode.steps] if f.episode else None for f in found]
+    assert [[s.action.command for s in f.episode.steps] if f.episode else None for f in again] == commands
+    other = [rp.explore(game, cfg.env, prompts, seed=2, tries=8) for game in games]
+    assert [f.played for f in other] != [f.played for f in found]
+    assert len(opened) == 3 * 4 and all(int(Path(g).parent.name) < EVAL_SEED_BASE for g in opened)
+
+
+def test_a_random_play_warm_start_clones_the_wins_it_found_and_never_a_walkthrough(tmp_path, monkeypatch):
+    """No walkthrough is replayed (spies on both modules' ``replay_commands``; the real games are
+    played): the only replays are of random play's wins, one per game it won, and the figures count them."""
+    replayed = []
+    real = rp.replay_commands
+    monkeypatch.setattr(rp, "replay_commands", lambda game, prompts, commands=None: replayed.append(commands) or
+                        real(game, prompts, commands))
+    monkeypatch.setattr(ws, "replay_commands", lambda *args: pytest.fail("a walkthrough was replayed"))
+    cfg = config(tmp_path, "env=medium", "warm_start.source=random_play", "warm_start.steps=2",
+                 "warm_start.games=6", "warm_start.batch=2")
+    torch.manual_seed(0)
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
+    figures = ws.warm_start(policy, tokenizer, cfg)
+    assert figures["warm_start/random_wins"] <= len(replayed) <= 6 and None not in replayed
+    assert figures["warm_start/random_wins"] + figures["warm_start/skipped"] == 6
+    assert figures["warm_start/random_wins"] >= 1 and "warm_start/walkthroughs" not in figures
+    assert 1 <= figures["warm_start/cloned_turns"] <= figures["warm_start/random_win_turns"]
+    assert math.isfinite(figures["warm_start/loss_last"])
+
+
+def test_random_play_that_wins_nothing_stops_the_run_with_the_option_to_change(tmp_path):
+    """A medium quest takes more than one step: with a one-step limit random play cannot win."""
+    cfg = config(tmp_path, "env=medium", "env.max_steps=1", "warm_start.source=random_play", "warm_start.steps=2",
+                 "warm_start.games=2", "warm_start.tries=2")
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
+    with pytest.raises(cli.ConfigError, match="warm_start.tries=2"):
+        ws.warm_start(policy, tokenizer, cfg)
+
+
+@pytest.mark.parametrize("override, named", [("warm_start.source=demos", "warm_start.source='demos'"),
+                                             ("warm_start.tries=0", "warm_start.tries=0")])
+def test_a_bad_random_play_option_is_refused_by_name(tmp_path, override, named):
+    with pytest.raises(cli.ConfigError, match=re.escape(named)):
+        config(tmp_path, override)
