@@ -289,3 +289,26 @@ def test_random_play_that_wins_nothing_stops_the_run_with_the_option_to_change(t
 def test_a_bad_random_play_option_is_refused_by_name(tmp_path, override, named):
     with pytest.raises(cli.ConfigError, match=re.escape(named)):
         config(tmp_path, override)
+
+
+def test_a_game_that_faults_during_random_play_is_skipped_and_the_warm_start_goes_on(tmp_path, monkeypatch):
+    """An engine fault (injected into the first game's third engine step; the games are real) costs
+    that game's wins, not the run: the other games are explored and cloned, and the fault is counted."""
+    from tests.faulty_games import inject
+
+    real_open, opened = rp.open_game, []
+
+    def open_game(game, env):
+        opened.append(game)
+        played = real_open(game, env)
+        if game == opened[0]:
+            inject(played, 3, "engine_raises")
+        return played
+
+    monkeypatch.setattr(rp, "open_game", open_game)
+    cfg = config(tmp_path, "env=medium", "warm_start.source=random_play", "warm_start.steps=1",
+                 "warm_start.games=4", "warm_start.batch=2")
+    policy, tokenizer = build_policy(cfg.model, cfg.env.step_penalty)
+    figures = ws.warm_start(policy, tokenizer, cfg)
+    assert figures["warm_start/random_play_faults"] == 1 and len(set(opened)) == 4
+    assert 1 <= figures["warm_start/random_wins"] <= 3 and figures["warm_start/skipped"] >= 1

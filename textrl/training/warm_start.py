@@ -33,7 +33,7 @@ import torch
 
 from textrl.config import TrainConfig
 from textrl.errors import ConfigError, NonFiniteError
-from textrl.games.env import open_game
+from textrl.games.env import GameFault, open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.device import trainer_device
@@ -43,7 +43,7 @@ from textrl.policy.model import PolicyValueModel
 from textrl.policy.speed import FrozenPrefix
 from textrl.ppo.skipped_steps import SkippedSteps
 from textrl.ppo.sequences import PrefixOutputs, TrainingSequence, decision_forward, training_sequences
-from textrl.training.random_play import explore
+from textrl.training.random_play import Found, explore
 from textrl.rollout import Episode, replay_commands
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,14 @@ def random_play_episodes(games: list[Path], prompts: PromptBuilder,
     """Each game's first win by uniformly random play, loops erased (``textrl.training.random_play``),
     as an episode of forced actions; (the wins kept, the games with none, the exploration's figures)."""
     started = time.perf_counter()
-    found = [explore(game, cfg.env, prompts, cfg.seed, cfg.warm_start.tries) for game in games]
+    found, faults = [], 0
+    for game in games:
+        try:
+            found.append(explore(game, cfg.env, prompts, cfg.seed, cfg.warm_start.tries))
+        except GameFault as fault:  # a fault costs this game's wins, not the run
+            log.warning("warm start: random play skips a game: %s", fault)
+            found.append(Found(None, 0))
+            faults += 1
     kept = [f.episode for f in found if f.episode is not None]
     skipped = [str(game) for game, f in zip(games, found) if f.episode is None]
     won = [f for f in found if f.played]
@@ -86,6 +93,7 @@ def random_play_episodes(games: list[Path], prompts: PromptBuilder,
         "warm_start/random_win_turns": sum(f.played for f in won) / max(len(won), 1),
         "warm_start/cloned_turns": sum(e.length for e in kept) / max(len(kept), 1),
         "warm_start/random_play_seconds": time.perf_counter() - started,
+        "warm_start/random_play_faults": float(faults),  # games skipped for an engine fault
     }
     log.info("warm start: random play won %d of %d training games in %d episodes (%d turns a win as played, %.1f "
              "after loop erasure; %d wins whose erased list did not win dropped), %.0f s", len(won), len(games),
