@@ -18,14 +18,19 @@ so a game is explored the same way whichever games are explored beside it.
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from textrl.games.env import Game, open_game
+from textrl.config import TrainConfig
+from textrl.games.env import Game, GameFault, open_game
 from textrl.games.pool import game_name
 from textrl.games.prompt import PromptBuilder
 from textrl.rollout import Episode, replay_commands
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,3 +92,35 @@ def explore(game_file: Path, env, prompts: PromptBuilder, seed: int, tries: int)
         return Found(episode if episode.won else None, episodes, len(commands))
     finally:
         game.close()
+
+
+def random_play_episodes(games: list[Path], prompts: PromptBuilder,
+                         cfg: TrainConfig) -> tuple[list[Episode], list[str], dict[str, float]]:
+    """Each game's first win by uniformly random play, loops erased (module docstring),
+    as an episode of forced actions; (the wins kept, the games with none, the exploration's figures)."""
+    started = time.perf_counter()
+    found, faults = [], 0
+    for game in games:
+        try:
+            found.append(explore(game, cfg.env, prompts, cfg.seed, cfg.warm_start.tries))
+        except GameFault as fault:  # a fault costs this game's wins, not the run
+            log.warning("warm start: random play skips a game: %s", fault)
+            found.append(Found(None, 0))
+            faults += 1
+    kept = [f.episode for f in found if f.episode is not None]
+    skipped = [str(game) for game, f in zip(games, found) if f.episode is None]
+    won = [f for f in found if f.played]
+    figures = {
+        "warm_start/random_wins": float(len(kept)),  # the wins cloned
+        "warm_start/random_episodes": float(sum(f.episodes for f in found)),  # episodes of random play
+        # turns of the first wins as played, and of the cloned ones after loop erasure
+        "warm_start/random_win_turns": sum(f.played for f in won) / max(len(won), 1),
+        "warm_start/cloned_turns": sum(e.length for e in kept) / max(len(kept), 1),
+        "warm_start/random_play_seconds": time.perf_counter() - started,
+        "warm_start/random_play_faults": float(faults),  # games skipped for an engine fault
+    }
+    log.info("warm start: random play won %d of %d training games in %d episodes (%d turns a win as played, %.1f "
+             "after loop erasure; %d wins whose erased list did not win dropped), %.0f s", len(won), len(games),
+             figures["warm_start/random_episodes"], figures["warm_start/random_win_turns"],
+             figures["warm_start/cloned_turns"], len(won) - len(kept), figures["warm_start/random_play_seconds"])
+    return kept, skipped, figures

@@ -10,6 +10,9 @@ difference from a rollout: a forced action has no stream place, so where the his
 warm start's sequence starts again from the cut prompt instead of dropping the cut turns from the
 cache as the decoder does (medium and hard walkthroughs that run past ``env.history_len`` turns).
 
+``warm_start.source=random_play`` clones wins the agent found by random play instead of the
+walkthroughs (RL alone, nothing a game ships; ``textrl.training.random_play``), the same way.
+
 The loss is the cross-entropy of the walkthrough's token at each decision over the fork's allowed
 tokens (the masked distribution the PPO update computes, at T = 1), the mean over the decisions of
 an optimizer step. Only the LM learns; the value head starts PPO untouched (walkthroughs always win,
@@ -33,7 +36,7 @@ import torch
 
 from textrl.config import TrainConfig
 from textrl.errors import ConfigError, NonFiniteError
-from textrl.games.env import GameFault, open_game
+from textrl.games.env import open_game
 from textrl.games.pool import GamePool, GameSpec
 from textrl.games.prompt import PromptBuilder
 from textrl.policy.device import trainer_device
@@ -43,8 +46,8 @@ from textrl.policy.model import PolicyValueModel
 from textrl.policy.speed import FrozenPrefix
 from textrl.ppo.skipped_steps import SkippedSteps
 from textrl.ppo.sequences import PrefixOutputs, TrainingSequence, decision_forward, training_sequences
-from textrl.training.random_play import Found, explore
 from textrl.rollout import Episode, replay_commands
+from textrl.training.random_play import random_play_episodes
 
 log = logging.getLogger(__name__)
 
@@ -68,38 +71,6 @@ def walkthrough_episodes(games: list[Path], prompts: PromptBuilder, cfg: TrainCo
         else:
             skipped.append(str(game))
     return kept, skipped
-
-
-def random_play_episodes(games: list[Path], prompts: PromptBuilder,
-                         cfg: TrainConfig) -> tuple[list[Episode], list[str], dict[str, float]]:
-    """Each game's first win by uniformly random play, loops erased (``textrl.training.random_play``),
-    as an episode of forced actions; (the wins kept, the games with none, the exploration's figures)."""
-    started = time.perf_counter()
-    found, faults = [], 0
-    for game in games:
-        try:
-            found.append(explore(game, cfg.env, prompts, cfg.seed, cfg.warm_start.tries))
-        except GameFault as fault:  # a fault costs this game's wins, not the run
-            log.warning("warm start: random play skips a game: %s", fault)
-            found.append(Found(None, 0))
-            faults += 1
-    kept = [f.episode for f in found if f.episode is not None]
-    skipped = [str(game) for game, f in zip(games, found) if f.episode is None]
-    won = [f for f in found if f.played]
-    figures = {
-        "warm_start/random_wins": float(len(kept)),  # the wins cloned
-        "warm_start/random_episodes": float(sum(f.episodes for f in found)),  # episodes of random play
-        # turns of the first wins as played, and of the cloned ones after loop erasure
-        "warm_start/random_win_turns": sum(f.played for f in won) / max(len(won), 1),
-        "warm_start/cloned_turns": sum(e.length for e in kept) / max(len(kept), 1),
-        "warm_start/random_play_seconds": time.perf_counter() - started,
-        "warm_start/random_play_faults": float(faults),  # games skipped for an engine fault
-    }
-    log.info("warm start: random play won %d of %d training games in %d episodes (%d turns a win as played, %.1f "
-             "after loop erasure; %d wins whose erased list did not win dropped), %.0f s", len(won), len(games),
-             figures["warm_start/random_episodes"], figures["warm_start/random_win_turns"],
-             figures["warm_start/cloned_turns"], len(won) - len(kept), figures["warm_start/random_play_seconds"])
-    return kept, skipped, figures
 
 
 def _decision_logprobs(policy: PolicyValueModel, batch: list[TrainingSequence], pad_id: int,
